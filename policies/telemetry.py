@@ -1,0 +1,101 @@
+"""One control window of measurements, as a policy sees it.
+
+The controller (live) and the simulator (offline) both aggregate their counters into a
+:class:`Telemetry`; the time arrives inside it, so a policy never reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from policies.slo import SUPPORTED_PERCENTILES, LatencyMetric
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """Percentiles of one latency metric over a window, in ms (NaN when ``count`` is 0)."""
+
+    count: int = 0
+    p50_ms: float = math.nan
+    p90_ms: float = math.nan
+    p95_ms: float = math.nan
+    p99_ms: float = math.nan
+
+    @classmethod
+    def from_samples(cls, samples_ms: Sequence[float] | np.ndarray) -> LatencySummary:
+        arr = np.asarray(samples_ms, dtype=float)
+        if arr.size == 0:
+            return cls()
+        p50, p90, p95, p99 = np.percentile(arr, SUPPORTED_PERCENTILES)
+        return cls(int(arr.size), float(p50), float(p90), float(p95), float(p99))
+
+    def at(self, percentile: float) -> float:
+        """The value at ``percentile`` (one of :data:`policies.slo.SUPPORTED_PERCENTILES`)."""
+        table = {50.0: self.p50_ms, 90.0: self.p90_ms, 95.0: self.p95_ms, 99.0: self.p99_ms}
+        if percentile not in table:
+            raise ValueError(f"percentile must be one of {SUPPORTED_PERCENTILES}, got {percentile}")
+        return table[percentile]
+
+
+@dataclass(frozen=True, slots=True)
+class TierWindow:
+    """Per-tier slice of a window: what the tier's requests saw and the T they ran at."""
+
+    threshold: float
+    completions: int = 0
+    slo_met: int = 0
+    ttft: LatencySummary = field(default_factory=LatencySummary)
+    tpot: LatencySummary = field(default_factory=LatencySummary)
+    e2e: LatencySummary = field(default_factory=LatencySummary)
+    mean_distortion: float = 0.0
+    output_tokens: int = 0
+
+    def latency(self, metric: LatencyMetric) -> LatencySummary:
+        return {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[metric]
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """Aggregated over all replicas for the window ``(time_s - window_s, time_s]``.
+
+    ``age_s`` is how old the newest replica report was when the window was closed: a fail-safe
+    wrapper treats large ages as lost control.
+    """
+
+    time_s: float
+    window_s: float
+    arrivals: int = 0
+    completions: int = 0
+    rejections: int = 0
+    queue_depth: int = 0
+    queue_depth_per_replica: tuple[int, ...] = ()
+    in_flight: int = 0
+    ttft: LatencySummary = field(default_factory=LatencySummary)
+    tpot: LatencySummary = field(default_factory=LatencySummary)
+    e2e: LatencySummary = field(default_factory=LatencySummary)
+    acceptance_rate: float = math.nan
+    mean_accepted_per_iter: float = math.nan
+    mean_distortion: float = 0.0
+    output_tokens: int = 0
+    output_tokens_per_s: float = 0.0
+    replicas: int = 1
+    draft_length: int = 4
+    age_s: float = 0.0
+    tiers: Mapping[str, TierWindow] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        if not math.isfinite(self.time_s):
+            raise ValueError(f"time_s must be finite, got {self.time_s}")
+
+    def latency(self, metric: LatencyMetric) -> LatencySummary:
+        return {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[metric]
+
+    @property
+    def arrival_rate(self) -> float:
+        return self.arrivals / self.window_s

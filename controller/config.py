@@ -1,0 +1,216 @@
+"""The service configuration: one YAML file, validated by pydantic at the boundary.
+
+Every section rejects unknown keys (a typo is an error, not a silent default) and every error names the
+offending field by its dotted path, e.g. ``control.interval_s: Input should be greater than 0``.
+
+Layout (all sections optional; ``FSDConfig()`` is the shipped default service)::
+
+    model:    pair, engine parameters (k, divergence, acceptance rule, batch size)
+    replica:  queue bound, request limits, fail-safe staleness
+    slo:      a policies.slo.SLOSpec (tiers with latency targets, quality budgets, T bounds)
+    control:  interval, active policy, optional shadow policy, history length
+    serve:    Ray Serve options (num_replicas or autoscaling_config, max_ongoing_requests, CPUs)
+    http:     host, port, admin token, body and timeout limits
+    ray:      address of an existing cluster (None ⇒ start a local one)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies.slo import SLOSpec
+
+#: Environment variable that names the config file for ``serve run controller.app:app``.
+CONFIG_ENV = "FSD_CONFIG"
+#: Environment variable holding the admin bearer token (overrides ``http.admin_token``).
+ADMIN_TOKEN_ENV = "FSD_ADMIN_TOKEN"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The model pair and the engine's static parameters."""
+
+    pair: str = Field("smollm2-135m", description="pair name for decoder.models.load_pair; 'tiny' = test pair")
+    dtype: str | None = Field(None, description="target compute dtype (fp32, bf16…; None = the pair's)")
+    draft_dtype: str | None = Field(None, description="draft dtype, or 'int8' (None = the pair's)")
+    seed: int = Field(0, description="seed of the tiny test pair and of the engine's request seeds")
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="draft length k")
+    div: str = Field("kl", min_length=1, description="divergence D compared with T (decoder's names)")
+    rule: str = Field("reducible", min_length=1, description="FSD acceptance rule (decoder's names)")
+    max_batch_size: int = Field(8, ge=1, le=256, description="max sequences in one engine step")
+    torch_threads: int | None = Field(
+        1, ge=1, description="torch intra-op threads per replica (None = torch's default)"
+    )
+
+
+class ReplicaConfig(_Section):
+    """Per-replica limits and the fail-safe."""
+
+    max_queued: int = Field(32, ge=1, description="waiting + running requests before 503")
+    max_new_tokens_limit: int = Field(2048, ge=1, description="largest max_tokens a request may ask")
+    default_max_new_tokens: int = Field(128, ge=1, description="max_tokens when a request sets none")
+    stale_after_s: float = Field(
+        10.0, gt=0, description="no controller update for this long ⇒ every tier drops to its safe T"
+    )
+    initial_thresholds: dict[str, float] = Field(
+        default_factory=dict, description="T per tier before the first controller update (default: safe T)"
+    )
+
+    @field_validator("initial_thresholds")
+    @classmethod
+    def _finite(cls, v: dict[str, float]) -> dict[str, float]:
+        for tier, t in v.items():
+            if not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"threshold for tier {tier!r} must be finite and >= 0, got {t}")
+        return v
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> ReplicaConfig:
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(
+                f"default_max_new_tokens {self.default_max_new_tokens} exceeds "
+                f"max_new_tokens_limit {self.max_new_tokens_limit}"
+            )
+        return self
+
+
+class ControlConfig(_Section):
+    """The control loop: how often, which policy, which candidate in shadow."""
+
+    interval_s: float = Field(1.0, gt=0, le=60, description="control tick period")
+    policy: dict[str, Any] | None = Field(
+        None, description="policy spec for policies.registry.make_policy (None = the default SLO policy)"
+    )
+    shadow_policy: dict[str, Any] | None = Field(
+        None, description="candidate policy run beside the active one; logged, never applied"
+    )
+    history: int = Field(300, ge=1, le=100_000, description="(telemetry, decision) records kept for status")
+    stats_timeout_s: float = Field(2.0, gt=0, description="deadline for gathering replica stats per tick")
+
+
+class ServeOptions(_Section):
+    """Ray Serve options of the replica deployment (the slow loop)."""
+
+    num_replicas: int | None = Field(1, ge=1, description="fixed replica count (ignored with autoscaling)")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests…)"
+    )
+    max_ongoing_requests: int = Field(16, ge=1, description="Serve's per-replica concurrency cap")
+    max_queued_requests: int = Field(64, ge=-1, description="Serve handle queue cap (-1 = unbounded)")
+    replica_num_cpus: float = Field(1.0, gt=0, description="ray_actor_options num_cpus per replica")
+    ingress_num_cpus: float = Field(0.0, ge=0, description="num_cpus of the HTTP ingress")
+    health_check_period_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    app_name: str = Field("fsd", min_length=1)
+    route_prefix: str = Field("/")
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _slash(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"route_prefix must start with '/', got {v!r}")
+        return v
+
+
+class HTTPConfig(_Section):
+    """The HTTP front door."""
+
+    host: str = Field("127.0.0.1", description="bind address (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535)
+    admin_token: str | None = Field(
+        None, description=f"bearer token for PUT /v1/fsd/*; env {ADMIN_TOKEN_ENV} overrides"
+    )
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="larger bodies ⇒ 413")
+    request_timeout_s: float = Field(120.0, gt=0, description="whole-request deadline ⇒ 504")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503")
+    model_name: str | None = Field(None, description="model id reported by the API (default: the pair name)")
+
+    def resolved_admin_token(self) -> str | None:
+        return os.environ.get(ADMIN_TOKEN_ENV) or self.admin_token
+
+
+class RayConfig(_Section):
+    address: str | None = Field(None, description="existing cluster (e.g. 'auto' or 'ray://…'); None = local")
+    num_cpus: int | None = Field(2, ge=1, description="CPUs of a locally started cluster")
+    object_store_memory: int | None = Field(None, ge=78_643_200, description="bytes, local cluster only")
+
+
+class FSDConfig(_Section):
+    """The whole service."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    slo: SLOSpec = Field(default_factory=SLOSpec.default)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    serve: ServeOptions = Field(default_factory=ServeOptions)
+    http: HTTPConfig = Field(default_factory=HTTPConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _tiers_known(self) -> FSDConfig:
+        unknown = sorted(set(self.replica.initial_thresholds) - set(self.slo.tiers))
+        if unknown:
+            raise ValueError(
+                f"replica.initial_thresholds: unknown tier(s) {unknown}; known tiers: {sorted(self.slo.tiers)}"
+            )
+        for name, t in self.replica.initial_thresholds.items():
+            tier = self.slo.tiers[name]
+            if not tier.min_threshold <= t <= tier.max_threshold:
+                raise ValueError(
+                    f"replica.initial_thresholds.{name}: {t} outside the tier's bounds "
+                    f"[{tier.min_threshold}, {tier.max_threshold}]"
+                )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.http.model_name or self.model.pair
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per error, each starting with the dotted path of the offending field."""
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"{path}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def parse_config(data: dict[str, Any] | None) -> FSDConfig:
+    """Validate a config mapping; ValueError naming each bad field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config must be a mapping at the top level, got {type(data).__name__}")
+    try:
+        return FSDConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid config: {format_validation_error(exc)}") from None
+
+
+def load_config(path: str | Path | None) -> FSDConfig:
+    """Read and validate a YAML config (None ⇒ the default service)."""
+    if path is None:
+        return FSDConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    return parse_config(data)
+
+
+def config_from_env() -> FSDConfig:
+    """The config named by ``$FSD_CONFIG`` (default service when unset) — for ``serve run``."""
+    return load_config(os.environ.get(CONFIG_ENV) or None)

@@ -1,0 +1,259 @@
+"""Build policies from config by name: ``make_policy({"policy": "pid", "kp": 0.5}, slo)``.
+
+A spec is either a name (``"pid"``, ``"bandit"``, ``"static:0.5"``…, every parameter at its default) or
+a mapping with ``policy`` plus that policy's parameters and an optional ``guards`` block::
+
+    {"policy": "pid", "metric": "tpot", "kp": 0.3, "ki": 0.1,
+     "guards": {"quality": true, "stale_after_s": 5, "max_rate": 0.5, "min_change": 0.02}}
+
+Parameters are validated by one pydantic model per policy (``extra="forbid"``); any problem raises
+ValueError naming the field, e.g. ``pid.kp: Input should be a valid number``. Guards default to
+``quality: true, stale_after_s: 5`` (pass ``"guards": false`` for the bare policy).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from policies.bandit import BanditPolicy
+from policies.base import Policy
+from policies.feedforward import FeedForwardPolicy, LinearLatencyModel, SpeedCurve, SpeedPoint
+from policies.guards import guarded
+from policies.pid import PIDPolicy
+from policies.signals import ControlMetric, LoadSignal
+from policies.slo import SLOSpec
+from policies.static import StaticPolicy
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StaticParams(_Params):
+    thresholds: float | dict[str, float] = Field(0.0, description="one T for every tier, or tier → T")
+
+
+class PIDParams(_Params):
+    tiers: list[str] | None = None
+    metric: ControlMetric = "tpot"
+    kp: float = Field(0.3, ge=0)
+    ki: float = Field(0.1, ge=0)
+    kd: float = Field(0.0, ge=0)
+    setpoint: float = 0.0
+    deadband: float = Field(0.02, ge=0)
+    max_rate: float | None = Field(0.2, gt=0)
+    error_clip: float = Field(2.0, gt=0)
+    max_dt_s: float | None = Field(None, gt=0)
+
+
+class BanditParams(_Params):
+    tier: str | None = None
+    arms: list[float] | list[tuple[float, int]] | None = None
+    window: int | None = Field(60, ge=1)
+    discount: float | None = Field(None, gt=0, le=1)
+    c: float = Field(0.5, ge=0)
+    distortion_weight: float = Field(0.1, ge=0)
+    distortion_penalty: float = Field(2.0, ge=0)
+    context: LoadSignal = "arrival_rate"
+    context_bins: list[float] | None = None
+    seed: int = 0
+
+
+class SpeedPointParams(_Params):
+    threshold: float = Field(ge=0)
+    tokens_per_iteration: float = Field(gt=0)
+    mean_distortion: float = Field(0.0, ge=0)
+
+
+class LatencyParams(_Params):
+    draft_ms_per_token: float = Field(ge=0)
+    verify_ms: float = Field(gt=0)
+    draft_ms_per_token_per_seq: float = Field(0.0, ge=0)
+    verify_ms_per_seq: float = Field(0.0, ge=0)
+    draft_length: int = Field(4, ge=1)
+
+
+class FeedForwardParams(_Params):
+    curve: list[SpeedPointParams] | None = None
+    latency: LatencyParams | None = None
+    tiers: list[str] | None = None
+    headroom: float = Field(0.8, gt=0, le=1)
+    respect_budget: bool = True
+    trim_kp: float = Field(0.1, ge=0)
+    trim_ki: float = Field(0.05, ge=0)
+    trim_deadband: float = Field(0.05, ge=0)
+    max_batch_size: int | None = Field(None, ge=1)
+
+
+class GuardParams(_Params):
+    quality: bool = True
+    stale_after_s: float | None = Field(5.0, gt=0)
+    max_gap_s: float | None = Field(None, gt=0)
+    max_rate: float | None = Field(None, gt=0)
+    min_change: float | None = Field(None, gt=0)
+
+
+def _build_static(p: StaticParams, slo: SLOSpec, ctx: _Context) -> Policy:
+    return StaticPolicy(slo, p.thresholds)
+
+
+def _build_pid(p: PIDParams, slo: SLOSpec, ctx: _Context) -> Policy:
+    return PIDPolicy(slo, **p.model_dump())
+
+
+def _build_bandit(p: BanditParams, slo: SLOSpec, ctx: _Context) -> Policy:
+    return BanditPolicy(slo, **p.model_dump())
+
+
+def _build_feedforward(p: FeedForwardParams, slo: SLOSpec, ctx: _Context) -> Policy:
+    curve = ctx.speed_curve
+    if p.curve is not None:
+        curve = SpeedCurve(tuple(SpeedPoint(**pt.model_dump()) for pt in p.curve))
+    if curve is None:
+        raise ValueError("feedforward.curve: a speed curve is required (in the spec or from a profile)")
+    latency: LinearLatencyModel | Callable[[float, float], float] | None = ctx.latency_model
+    if p.latency is not None:
+        latency = LinearLatencyModel(**p.latency.model_dump())
+    if latency is None:
+        raise ValueError("feedforward.latency: a latency model is required (in the spec or from a profile)")
+    return FeedForwardPolicy(
+        slo,
+        curve,
+        latency,
+        tiers=p.tiers,
+        headroom=p.headroom,
+        respect_budget=p.respect_budget,
+        trim_kp=p.trim_kp,
+        trim_ki=p.trim_ki,
+        trim_deadband=p.trim_deadband,
+        max_batch_size=p.max_batch_size,
+    )
+
+
+class _Context:
+    """Things a spec cannot carry as plain data, injected by the caller (e.g. the simulator's profile)."""
+
+    def __init__(
+        self,
+        speed_curve: SpeedCurve | None,
+        latency_model: LinearLatencyModel | Callable[[float, float], float] | None,
+    ) -> None:
+        self.speed_curve = speed_curve
+        self.latency_model = latency_model
+
+
+_REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Policy]]] = {
+    "static": (StaticParams, _build_static),
+    "pid": (PIDParams, _build_pid),
+    "bandit": (BanditParams, _build_bandit),
+    "feedforward": (FeedForwardParams, _build_feedforward),
+}
+
+#: Names ``make_policy`` accepts.
+POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def _validation_message(prefix: str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        parts.append(f"{prefix}.{loc}: {e['msg']}" if loc else f"{prefix}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def _normalise_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.startswith("{"):
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"policy spec: invalid JSON ({exc})") from None
+            if not isinstance(loaded, dict):
+                raise ValueError("policy spec: JSON must be an object")
+            return loaded
+        name, _, arg = text.partition(":")
+        if name == "static" and arg:
+            try:
+                return {"policy": "static", "thresholds": float(arg)}
+            except ValueError:
+                raise ValueError(f"static.thresholds: not a number: {arg!r}") from None
+        return {"policy": name}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"policy spec must be a name or a mapping, got {type(spec).__name__}")
+    return dict(spec)
+
+
+def make_policy(
+    spec: str | Mapping[str, Any],
+    slo: SLOSpec,
+    *,
+    speed_curve: SpeedCurve | None = None,
+    latency_model: LinearLatencyModel | Callable[[float, float], float] | None = None,
+) -> Policy:
+    """The policy ``spec`` names, with its parameters validated, wrapped in its guards.
+
+    ``speed_curve`` / ``latency_model`` feed the feed-forward policy when the spec does not carry them
+    (the simulator passes the ones derived from its profile). Raises ValueError naming the bad field,
+    or listing the known names for an unknown policy.
+    """
+    raw = _normalise_spec(spec)
+    name = raw.pop("policy", None)
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"policy: unknown policy {name!r}; known policies: {list(POLICY_NAMES)}")
+    guards_raw = raw.pop("guards", {})
+    params_model, build = _REGISTRY[name]
+    try:
+        params = params_model.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(_validation_message(name, exc)) from None
+    if guards_raw is False or guards_raw is None:
+        guard_params: GuardParams | None = None
+    else:
+        if guards_raw is True:
+            guards_raw = {}
+        try:
+            guard_params = GuardParams.model_validate(guards_raw)
+        except ValidationError as exc:
+            raise ValueError(_validation_message("guards", exc)) from None
+    try:
+        policy = build(params, slo, _Context(speed_curve, latency_model))
+    except ValueError as exc:
+        message = str(exc)
+        if message.startswith(f"{name}."):
+            raise
+        # Messages that start with a field name ("kp must be ...", "tiers: ...") get the policy prefix.
+        sep = "." if re.match(r"^[A-Za-z_]\w*(\[[^\]]*\])?(:| must)", message) else ": "
+        raise ValueError(f"{name}{sep}{message}") from None
+    if guard_params is None:
+        return policy
+    return guarded(policy, slo, **guard_params.model_dump())
+
+
+def describe(policy: object) -> dict[str, Any]:
+    """A JSON-able description for status endpoints: name, params, last decision, inner policy."""
+    out: dict[str, Any] = {"name": getattr(policy, "name", type(policy).__name__)}
+    params = getattr(policy, "params", None)
+    out["params"] = params() if callable(params) else {}
+    last = getattr(policy, "last_decision", None)
+    if last is not None:
+        out["last_decision"] = {
+            "thresholds": dict(last.thresholds),
+            "draft_length": last.draft_length,
+            "replicas": last.replicas,
+            "reason": last.reason,
+        }
+    else:
+        out["last_decision"] = None
+    inner = getattr(policy, "inner", None)
+    if inner is not None:
+        out["inner"] = describe(inner)
+    return out
+
+
+__all__ = ["POLICY_NAMES", "describe", "make_policy"]

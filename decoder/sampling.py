@@ -74,26 +74,28 @@ def sampling_probs(
     all_masked = torch.isneginf(scores).all(dim=-1, keepdim=True)
     scores = torch.where(all_masked, torch.zeros_like(scores), scores)
 
-    filtering = bool(((k > 0) & (k < scores.shape[-1])).any()) or bool((p_keep < 1).any())
-    if not filtering:
+    vocab = scores.shape[-1]
+    topk_on = (k > 0) & (k < vocab)
+    topp_on = p_keep < 1
+    if not (bool(topk_on.any()) or bool(topp_on.any())):
         return torch.softmax(scores, dim=-1)
 
-    # One descending sort serves both filters; the result is scattered back to vocab order.
+    # Filters only mask scores to -inf and the result is one softmax, so a row without filtering is
+    # bit-identical to the plain softmax whatever else is in the batch. One descending sort serves both.
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-    vocab = scores.shape[-1]
     kth_index = (k.clamp(min=1, max=vocab) - 1).long().expand(*scores.shape[:-1], 1)
-    kth_value = sorted_scores.gather(-1, kth_index)
-    topk_off = (k == 0) | (k >= vocab)
-    sorted_scores = torch.where(
-        topk_off | (sorted_scores >= kth_value), sorted_scores, torch.full_like(sorted_scores, -torch.inf)
-    )
-    sorted_probs = torch.softmax(sorted_scores, dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum
-    keep = (mass_before < p_keep) | (p_keep >= 1)
-    keep[..., 0] = True
-    sorted_probs = sorted_probs * keep
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    kth_value = sorted_scores.gather(-1, kth_index)  # ties with the k-th value are kept, as in HF
+    neg_inf = torch.full_like(scores, -torch.inf)
+    scores = torch.where(~topk_on | (scores >= kth_value), scores, neg_inf)
+    if bool(topp_on.any()):
+        sorted_scores = torch.where(~topk_on | (sorted_scores >= kth_value), sorted_scores, neg_inf)
+        sorted_probs = torch.softmax(sorted_scores, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum
+        remove_sorted = (mass_before >= p_keep) & topp_on
+        remove_sorted[..., 0] = False  # always keep the most probable token
+        remove = torch.zeros_like(remove_sorted).scatter_(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, -torch.inf)
+    return torch.softmax(scores, dim=-1)
 
 
 def draw_uniforms(

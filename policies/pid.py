@@ -165,7 +165,7 @@ class PIDPolicy:
         tiers: str | list[str] | tuple[str, ...] | None = None,
         metric: ControlMetric = "tpot",
         kp: float = 0.3,
-        ki: float = 0.1,
+        ki: float = 0.2,
         kd: float = 0.0,
         setpoint: float = 0.0,
         deadband: float = 0.02,

@@ -42,7 +42,7 @@ class PIDParams(_Params):
     tiers: list[str] | None = None
     metric: ControlMetric = "tpot"
     kp: float = Field(0.3, ge=0)
-    ki: float = Field(0.1, ge=0)
+    ki: float = Field(0.2, ge=0)
     kd: float = Field(0.0, ge=0)
     setpoint: float = 0.0
     deadband: float = Field(0.02, ge=0)

@@ -85,6 +85,7 @@ class ReplicaCounters:
     """Cumulative since the replica started (monotonic counters; the controller takes deltas)."""
 
     iterations: int = 0
+    row_iterations: int = 0  # (sequence, iteration) pairs: the denominator of tokens per iteration
     drafted: int = 0
     accepted: int = 0
     fuzzy_accepted: int = 0
@@ -292,6 +293,8 @@ class BatchingLoop:
                     continue
                 n_new = len(row.new_token_ids)
                 distortion = float(row.distortion) if math.isfinite(row.distortion) else 0.0
+                if n_new or row.drafted:
+                    c.row_iterations += 1
                 c.drafted += int(row.drafted)
                 c.accepted += int(row.accepted)
                 c.fuzzy_accepted += int(row.fuzzy_accepted)

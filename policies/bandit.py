@@ -71,7 +71,7 @@ class SlidingWindowUCB:
         n_arms: int,
         c: float,
         rng: np.random.Generator,
-        window: int | None = 60,
+        window: int | None = 100,
         discount: float | None = None,
     ) -> None:
         if n_arms < 1:
@@ -186,9 +186,9 @@ class BanditPolicy:
         slo: SLOSpec,
         arms: Sequence[float | tuple[float, int]] | None = None,
         tier: str | None = None,
-        window: int | None = 60,
+        window: int | None = 100,
         discount: float | None = None,
-        c: float = 0.5,
+        c: float = 0.2,
         distortion_weight: float = 0.1,
         distortion_penalty: float = 2.0,
         context: LoadSignal = "arrival_rate",

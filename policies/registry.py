@@ -54,9 +54,9 @@ class PIDParams(_Params):
 class BanditParams(_Params):
     tier: str | None = None
     arms: list[float] | list[tuple[float, int]] | None = None
-    window: int | None = Field(60, ge=1)
+    window: int | None = Field(100, ge=1)
     discount: float | None = Field(None, gt=0, le=1)
-    c: float = Field(0.5, ge=0)
+    c: float = Field(0.2, ge=0)
     distortion_weight: float = Field(0.1, ge=0)
     distortion_penalty: float = Field(2.0, ge=0)
     context: LoadSignal = "arrival_rate"

@@ -1,0 +1,84 @@
+"""Simulator speed: one hour of traffic at 20 req/s (~72k requests, ~200 output tokens each).
+
+Target: <= 10 s wall on one core. Prints JSON (stdout, and --out, default results/sim_speed.json):
+wall and CPU seconds, requests, simulated decode iterations, events, and the run's headline metrics.
+
+    .venv/bin/python benchmarks/sim_speed.py                 # the full hour
+    .venv/bin/python benchmarks/sim_speed.py --duration 300  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from policies.registry import make_policy  # noqa: E402
+from policies.slo import SLOSpec  # noqa: E402
+from sim.profile import Profile  # noqa: E402
+from sim.simulator import SimConfig, Simulator  # noqa: E402
+from sim.workload import Workload  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=3600.0, help="simulated seconds of arrivals")
+    ap.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    ap.add_argument("--replicas", type=int, default=70)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--policy", default="static:1.0", help="policy spec (see fsd sim --help)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/sim_speed.json")
+    args = ap.parse_args()
+
+    slo = SLOSpec.default()
+    profile = Profile.default()
+    workload = Workload.from_dict(
+        {
+            "name": f"poisson-{args.rate:g}rps",
+            "duration_s": args.duration,
+            "arrivals": {"kind": "poisson", "rate": args.rate},
+            "prompt_tokens": {"kind": "lognormal", "median": 200, "sigma": 0.5, "max": 1024},
+            "output_tokens": {"kind": "lognormal", "median": 190, "sigma": 0.35, "max": 1024},
+        }
+    )
+    config = SimConfig(seed=args.seed, replicas=args.replicas, max_batch=args.max_batch)
+    policy = make_policy(args.policy, slo, speed_curve=profile.to_speed_curve(),
+                         latency_model=profile.to_latency_model())
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    sim = Simulator(config, profile, slo, workload, policy)
+    result = sim.run()
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    s = result.summary
+    out = {
+        "benchmark": "sim_speed",
+        "simulated_s": args.duration,
+        "rate_rps": args.rate,
+        "replicas": args.replicas,
+        "max_batch": args.max_batch,
+        "policy": args.policy,
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+        "requests": s["requests"],
+        "output_tokens": s["output_tokens"],
+        "mean_output_tokens": round(s["output_tokens"] / max(1, s["completed"]), 1),
+        "decode_iterations": result.iterations,
+        "events": result.events,
+        "iterations_per_cpu_s": round(result.iterations / cpu, 1) if cpu > 0 else None,
+        "target_wall_s_for_1h": 10.0,
+        "summary": {k: s[k] for k in ("completed", "rejected", "slo_attainment", "tpot_ms", "mean_distortion")},
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Simulation entities: the request table (columnar, one row per request) and the per-window counters.
+
+Requests are rows of numpy columns rather than objects: a one-hour run has ~10⁵ of them and every
+aggregate (latency percentiles, attainment) is a vectorised expression over columns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.workload import Requests
+
+
+class RequestTable:
+    """Columns for every request of a run. Times are absolute simulated seconds; NaN = not yet."""
+
+    def __init__(self, requests: Requests) -> None:
+        n = len(requests)
+        self.n = n
+        self.tier_names = requests.tier_names
+        self.arrival_s = requests.arrival_s.astype(np.float64)
+        self.prompt_tokens = requests.prompt_tokens.astype(np.int64)
+        self.output_tokens = requests.output_tokens.astype(np.int64)
+        self.tier = requests.tier.astype(np.int64)
+        self.replica = np.full(n, -1, dtype=np.int32)
+        self.start_s = np.full(n, np.nan)  # admitted into a batch (prefill starts)
+        self.first_token_s = np.full(n, np.nan)
+        self.completion_s = np.full(n, np.nan)
+        self.rejected = np.zeros(n, dtype=bool)
+        self.emitted = np.zeros(n, dtype=np.int64)
+        self.distortion_sum = np.zeros(n, dtype=np.float64)  # Σ per-token TV over emitted tokens
+
+    @property
+    def completed(self) -> np.ndarray:
+        return ~np.isnan(self.completion_s)
+
+
+class WindowBins:
+    """Per-control-window sums, binned by the tick that closes the window.
+
+    Tick ``w`` happens at ``w·interval`` and closes the window ``((w−1)·interval, w·interval]``; an
+    iteration ending at time t lands in bin ``ceil(t / interval)``. Replicas add a whole drawn
+    segment when they draw it and subtract the iterations a truncation voids, so a tick reads its bin
+    without touching any replica: iterations that end before a tick can no longer be voided.
+
+    Feature columns of ``sums``: output tokens, decode sequence-iterations, accepted drafts,
+    distortion, then output tokens per tier, then distortion per tier.
+    """
+
+    TOKENS, SEQ_ITERS, ACCEPTED, DISTORTION = 0, 1, 2, 3
+
+    def __init__(self, interval_s: float, horizon_s: float, n_tiers: int) -> None:
+        self.interval_s = interval_s
+        self.n_tiers = n_tiers
+        self.n_features = 4 + 2 * n_tiers
+        n_bins = int(math.ceil(horizon_s / interval_s)) + 3
+        self.sums = np.zeros((n_bins, self.n_features))
+        self.completed: dict[int, list[int]] = {}
+
+    def bin_of(self, t: np.ndarray) -> np.ndarray:
+        b = np.ceil(t / self.interval_s).astype(np.int64)
+        return np.minimum(b, self.sums.shape[0] - 1)  # past the horizon: a bin no tick reads
+
+    def add(self, bins: np.ndarray, features: np.ndarray, sign: float = 1.0) -> None:
+        np.add.at(self.sums, bins, features if sign > 0 else -features)
+
+    def add_completion(self, bin_index: int, request_id: int) -> None:
+        self.completed.setdefault(bin_index, []).append(request_id)
+
+    def take_completions(self, bin_index: int) -> np.ndarray:
+        return np.asarray(self.completed.pop(bin_index, []), dtype=np.int64)
+
+
+@dataclass
+class EventCounters:
+    """Arrivals and rejections since the last tick (counted as they happen)."""
+
+    arrivals: int = 0
+    rejections: int = 0
+
+    def reset(self) -> None:
+        self.arrivals = self.rejections = 0

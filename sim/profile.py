@@ -1,0 +1,295 @@
+"""A replica's performance profile: how many tokens an FSD iteration emits, what it costs, and how much
+it distorts — the only model of the decoder the simulator has.
+
+Schema (``schema_version: 1``; documented field by field in docs/sim.md):
+
+- ``acceptance``: one entry per (div, k, T) grid point with ``position_accept[i]`` =
+  P(draft position i+1 accepted | positions 1..i accepted) for i = 0..k-1, and ``mean_distortion``
+  = mean per-emitted-token TV distortion at that point (0 at T = 0 by construction of FSD).
+- ``latency``: draft time per iteration ``k·(draft_a_ms + draft_b_ms·B)``, verify time per iteration
+  ``verify_a_ms + verify_b_ms·B + verify_c_ms·k·B`` for a batch of B sequences, and prefill cost
+  ``prefill_ms_per_token`` per prompt token (target and draft together).
+
+Tokens emitted by one iteration for one sequence = accepted drafts A (0..k) + 1 (the target's
+recovered token on the first rejection, or the bonus token when all k are accepted), so 1..k+1.
+Between measured T grid points, acceptance and distortion are interpolated linearly in T (which keeps
+them monotone when the grid is monotone — validated); beyond the largest T they stay at the last point.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from policies.feedforward import LinearLatencyModel, SpeedCurve
+
+DEFAULT_PROFILE_PATH = Path(__file__).parent / "profiles" / "default_smollm2.json"
+
+
+class Provenance(BaseModel):
+    """Where a profile's numbers came from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pair: str = Field(..., description="target → draft model pair")
+    dtype: str = ""
+    machine: str = ""
+    torch_version: str = ""
+    transformers_version: str = ""
+    date: str = ""
+    source: Literal["hand-made from MEASURED.md", "calibrated"]
+    notes: str = ""
+
+
+class AcceptancePoint(BaseModel):
+    """Acceptance and distortion at one (div, k, T) grid point."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    div: str = Field(..., min_length=1, description="divergence name, e.g. 'kl'")
+    k: int = Field(..., ge=1, description="draft length")
+    threshold: float = Field(..., ge=0, description="FSD threshold T")
+    position_accept: list[float] = Field(
+        ..., description="P(position i accepted | positions < i accepted), length k"
+    )
+    mean_distortion: float = Field(..., ge=0, description="mean TV distortion per emitted token")
+
+    @field_validator("threshold", "mean_distortion")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"must be finite, got {v}")
+        return v
+
+    @field_validator("position_accept")
+    @classmethod
+    def _probabilities(cls, v: list[float]) -> list[float]:
+        for p in v:
+            if not (0.0 <= p <= 1.0):
+                raise ValueError(f"position_accept values must be probabilities in [0, 1], got {p}")
+        return v
+
+    @model_validator(mode="after")
+    def _length_is_k(self) -> AcceptancePoint:
+        if len(self.position_accept) != self.k:
+            raise ValueError(
+                f"position_accept has {len(self.position_accept)} entries but k = {self.k}"
+            )
+        return self
+
+
+class LatencyModel(BaseModel):
+    """Iteration and prefill cost for a batch of B sequences at draft length k (all in ms)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    draft_a_ms: float = Field(..., ge=0, description="per draft step, fixed part")
+    draft_b_ms: float = Field(..., ge=0, description="per draft step, per sequence in the batch")
+    verify_a_ms: float = Field(..., ge=0, description="verify forward, fixed part")
+    verify_b_ms: float = Field(..., ge=0, description="verify forward, per sequence")
+    verify_c_ms: float = Field(..., ge=0, description="verify forward, per sequence per drafted token")
+    prefill_ms_per_token: float = Field(..., ge=0, description="prefill (target + draft) per prompt token")
+    prefill_fixed_ms: float = Field(0.0, ge=0, description="fixed cost of a prefill call")
+    iteration_time_dist: Literal["fixed", "exponential"] = Field(
+        "fixed",
+        description="'fixed': every iteration takes the model's time; 'exponential': the model's time is "
+        "the mean of an exponential draw (queueing-theory checks)",
+    )
+
+    def iteration_ms(self, batch: np.ndarray | int, k: int) -> np.ndarray:
+        """Mean time of one draft+verify iteration for batch sizes ``batch`` (vectorised)."""
+        b = np.asarray(batch, dtype=float)
+        draft = k * (self.draft_a_ms + self.draft_b_ms * b)
+        verify = self.verify_a_ms + self.verify_b_ms * b + self.verify_c_ms * k * b
+        return draft + verify
+
+    def prefill_ms(self, prompt_tokens: int) -> float:
+        return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Grid:
+    """One (div, k) slice of the acceptance table, sorted by T."""
+
+    thresholds: np.ndarray  # [n_points]
+    position_accept: np.ndarray  # [n_points, k]
+    mean_distortion: np.ndarray  # [n_points]
+
+
+class Profile(BaseModel):
+    """Acceptance, distortion and latency of one model pair on one machine (see module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    provenance: Provenance
+    default_div: str = "kl"
+    default_k: int = Field(4, ge=1)
+    acceptance: list[AcceptancePoint] = Field(..., min_length=1)
+    latency: LatencyModel
+
+    @model_validator(mode="after")
+    def _grid_is_consistent(self) -> Profile:
+        seen: set[tuple[str, int, float]] = set()
+        for p in self.acceptance:
+            key = (p.div, p.k, p.threshold)
+            if key in seen:
+                raise ValueError(f"acceptance: duplicate grid point div={p.div!r} k={p.k} T={p.threshold}")
+            seen.add(key)
+        for (div, k), grid in self._grids.items():
+            if grid.thresholds[0] != 0.0:
+                raise ValueError(f"acceptance: div={div!r} k={k} has no T = 0 point (standard SD)")
+            if np.any(grid.mean_distortion[0] != 0.0):
+                raise ValueError(f"acceptance: div={div!r} k={k} has mean_distortion != 0 at T = 0")
+            if np.any(np.diff(grid.position_accept, axis=0) < -1e-12) or np.any(
+                np.diff(grid.mean_distortion) < -1e-12
+            ):
+                raise ValueError(
+                    f"acceptance: div={div!r} k={k} must be non-decreasing in T "
+                    "(position_accept and mean_distortion)"
+                )
+        if (self.default_div, self.default_k) not in self._grids:
+            raise ValueError(
+                f"default_div={self.default_div!r} / default_k={self.default_k} not in the acceptance grid"
+            )
+        return self
+
+    # ---- loading / saving (explicit; constructing a Profile touches no file) ----
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"profile file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile file {str(path)!r} is not valid JSON: {exc}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"profile {str(path)!r}: {_first_error(exc)}") from None
+
+    @classmethod
+    def default(cls) -> Profile:
+        """The shipped, hand-made SmolLM2-135M profile (see its provenance)."""
+        return cls.load(DEFAULT_PROFILE_PATH)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+    # ---- queries ----
+
+    @cached_property
+    def _grids(self) -> dict[tuple[str, int], _Grid]:
+        groups: dict[tuple[str, int], list[AcceptancePoint]] = {}
+        for p in self.acceptance:
+            groups.setdefault((p.div, p.k), []).append(p)
+        grids = {}
+        for key, points in groups.items():
+            points.sort(key=lambda p: p.threshold)
+            grids[key] = _Grid(
+                thresholds=np.array([p.threshold for p in points]),
+                position_accept=np.array([p.position_accept for p in points]),
+                mean_distortion=np.array([p.mean_distortion for p in points]),
+            )
+        return grids
+
+    def divs(self) -> list[str]:
+        return sorted({div for div, _ in self._grids})
+
+    def draft_lengths(self, div: str) -> list[int]:
+        return sorted(k for d, k in self._grids if d == div)
+
+    def thresholds(self, div: str, k: int) -> np.ndarray:
+        return self._grid(div, k).thresholds.copy()
+
+    def _grid(self, div: str, k: int) -> _Grid:
+        grid = self._grids.get((div, k))
+        if grid is None:
+            if div not in self.divs():
+                raise ValueError(f"div {div!r} is not in the profile; known divs: {self.divs()}")
+            raise ValueError(
+                f"draft length k={k} is not in the profile for div {div!r}; "
+                f"known k: {self.draft_lengths(div)}"
+            )
+        return grid
+
+    def position_accept(self, div: str, threshold: float, k: int) -> np.ndarray:
+        """Per-position conditional acceptance at T = ``threshold`` (linear in T between grid points)."""
+        _check_threshold(threshold)
+        grid = self._grid(div, k)
+        return np.array(
+            [np.interp(threshold, grid.thresholds, grid.position_accept[:, i]) for i in range(k)]
+        )
+
+    def survival(self, div: str, threshold: float, k: int) -> np.ndarray:
+        """``S[i]`` = P(at least i+1 drafts accepted) = prod_{j<=i} position_accept[j]; length k."""
+        return np.cumprod(self.position_accept(div, threshold, k))
+
+    def mean_distortion(self, div: str, threshold: float, k: int) -> float:
+        _check_threshold(threshold)
+        grid = self._grid(div, k)
+        return float(np.interp(threshold, grid.thresholds, grid.mean_distortion))
+
+    def expected_tokens_per_iter(self, div: str, threshold: float, k: int) -> float:
+        """E[accepted + 1] per sequence per iteration."""
+        return 1.0 + float(self.survival(div, threshold, k).sum())
+
+    def expected_acceptance_rate(self, div: str, threshold: float, k: int) -> float:
+        """E[accepted] / k (the 'acceptance rate' the decoder reports)."""
+        return float(self.survival(div, threshold, k).sum()) / k
+
+    def tpot_ms(self, div: str, threshold: float, k: int, batch: int) -> float:
+        """Mean time per output token of one sequence in a steady batch of ``batch`` (no prefills)."""
+        return float(self.latency.iteration_ms(batch, k)) / self.expected_tokens_per_iter(div, threshold, k)
+
+    def to_speed_curve(self, div: str | None = None, k: int | None = None) -> SpeedCurve:
+        """The policies package's plain-data ``SpeedCurve`` (tokens/iteration and distortion per T)."""
+        from policies.feedforward import SpeedCurve, SpeedPoint
+
+        div = div or self.default_div
+        k = k or self.default_k
+        return SpeedCurve(
+            tuple(
+                SpeedPoint(
+                    threshold=float(t),
+                    tokens_per_iteration=self.expected_tokens_per_iter(div, float(t), k),
+                    mean_distortion=self.mean_distortion(div, float(t), k),
+                )
+                for t in self._grid(div, k).thresholds
+            )
+        )
+
+    def to_latency_model(self, k: int | None = None) -> LinearLatencyModel:
+        """The same iteration-time model in the feed-forward policy's ``(b − 1)`` parameterisation."""
+        from policies.feedforward import LinearLatencyModel
+
+        k = k or self.default_k
+        lat = self.latency
+        return LinearLatencyModel(
+            draft_ms_per_token=lat.draft_a_ms + lat.draft_b_ms,
+            verify_ms=lat.verify_a_ms + lat.verify_b_ms + lat.verify_c_ms * k,
+            draft_ms_per_token_per_seq=lat.draft_b_ms,
+            verify_ms_per_seq=lat.verify_b_ms + lat.verify_c_ms * k,
+            draft_length=k,
+        )
+
+
+def _check_threshold(threshold: float) -> None:
+    if not (math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"threshold must be finite and >= 0, got {threshold}")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+    return f"{loc}: {err['msg']}"

@@ -1,0 +1,496 @@
+"""The discrete-event simulator: workload → routed replicas → control ticks → a :class:`SimResult`.
+
+The loop is tiny: a heap keyed by (time, event order, sequence number); each event's handler returns
+its follow-up events. The RNG and id counters belong to the simulator instance, so two simulators
+with the same inputs and seed produce identical results. Nothing here writes files; see
+:mod:`sim.report` for that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from policies.base import Policy
+from policies.decision import Decision
+from policies.slo import SLOSpec
+from policies.telemetry import Telemetry
+from policies.tiers import clamp_thresholds
+from sim.autoscaler import Autoscaler, AutoscalerConfig
+from sim.entities import EventCounters, RequestTable, WindowBins
+from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
+from sim.metrics import fast_summary, latencies_ms, summarize, tier_windows
+from sim.profile import Profile
+from sim.replica import DecodeSettings, Replica, ReplicaState
+from sim.workload import Requests, Workload
+
+Routing = Literal["power_of_two", "least_loaded", "round_robin"]
+
+
+class SimConfig(BaseModel):
+    """Cluster and control-loop settings (pure configuration, no side effects)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = 0
+    replicas: int = Field(2, ge=1, description="replicas at t = 0 (ready)")
+    max_batch: int = Field(8, ge=1, description="max sequences per continuous batch")
+    max_queue: int = Field(64, ge=0, description="queued requests per replica before rejecting")
+    routing: Routing = "power_of_two"
+    control_interval_s: float = Field(1.0, gt=0)
+    push_delay_s: float = Field(0.05, ge=0, description="decision → replicas latency")
+    telemetry_age_s: float = Field(0.0, ge=0, description="staleness reported to the policy")
+    div: str | None = Field(None, description="divergence (default: the profile's)")
+    k: int | None = Field(None, ge=1, description="initial draft length (default: the profile's)")
+    autoscaler: AutoscalerConfig | None = None
+    honour_policy_replicas: bool = Field(False, description="use Decision.replicas as the autoscaler's desire")
+    drain_timeout_s: float = Field(600.0, ge=0, description="after the last arrival; then unfinished = missed")
+    horizon_iters: int = Field(48, ge=1, description="iterations drawn per segment at most (speed only)")
+    replica_usd_per_hour: float | None = Field(None, gt=0)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "sim config") -> SimConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+            raise ValueError(f"{source}: {loc}: {err['msg']}") from None
+
+
+@dataclass
+class SimResult:
+    """What ``run()`` returns: summary, per-tick time series, per-request columns, run metadata."""
+
+    summary: dict[str, Any]
+    timeseries: dict[str, list[float]]
+    records: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+    iterations: int = 0
+    events: int = 0
+
+
+class Simulator:
+    def __init__(
+        self,
+        config: SimConfig,
+        profile: Profile,
+        slo: SLOSpec,
+        workload: Workload | Requests,
+        policy: Policy,
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self.slo = slo
+        self.policy = policy
+        self.rng = np.random.default_rng(config.seed)
+        self.div = config.div or profile.default_div
+        self.k = config.k or profile.default_k
+        profile.thresholds(self.div, self.k)  # ValueError naming div/k when absent
+        self.tier_names = list(slo.tiers)
+        if isinstance(workload, Workload):
+            self.workload_name = workload.name
+            self.requests = workload.generate(self.rng, self.tier_names, slo.default_tier)
+        else:
+            self.workload_name = "requests"
+            self.requests = workload
+        self.table = RequestTable(self.requests)
+        self.counters = EventCounters()
+        # Every tier starts at its fail-safe T until the first decision lands (at t = 0).
+        self.thresholds = {name: tier.clamp(tier.safe_threshold) for name, tier in slo.tiers.items()}
+        self.settings = DecodeSettings(
+            k=self.k,
+            survival_by_tier=np.zeros((len(self.tier_names), self.k)),
+            distortion_by_tier=np.zeros(len(self.tier_names)),
+        )
+        self._refresh_settings()
+        self.autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
+        self._policy_replicas: int | None = None
+        n = len(self.requests)
+        self._route_u = self.rng.random((n, 2))
+        self._rr = 0
+        self._heap: list[tuple[float, int, int, Event]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.events = 0
+        last_arrival = float(self.requests.arrival_s[-1]) if n else 0.0
+        if isinstance(workload, Workload) and workload.duration_s is not None:
+            self.arrival_horizon_s = max(workload.duration_s, last_arrival)
+        else:
+            self.arrival_horizon_s = last_arrival
+        self.end_s = self.arrival_horizon_s + config.drain_timeout_s
+        self.bins = WindowBins(config.control_interval_s, self.end_s + config.control_interval_s,
+                               len(self.tier_names))
+        self._tick = 0
+        self.replicas: list[Replica] = []
+        for _ in range(config.replicas):
+            self._new_replica(0.0, 0.0)
+        self._next_arrival = 0
+        self._last_tick_s = 0.0
+        self.timeseries: dict[str, list[float]] = {}
+        self.ignored_draft_lengths: set[int] = set()
+        self._progress: Any = None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _push(self, event: Event) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (event.time_s, event.ORDER, self._seq, event))
+
+    def _new_replica(self, now: float, startup_s: float) -> Replica:
+        r = Replica(
+            replica_id=len(self.replicas),
+            latency=self.profile.latency,
+            max_batch=self.config.max_batch,
+            max_queue=self.config.max_queue,
+            table=self.table,
+            bins=self.bins,
+            rng=self.rng,
+            started_s=now,
+            ready_s=now + startup_s,
+            horizon_iters=self.config.horizon_iters,
+        )
+        self.replicas.append(r)
+        return r
+
+    def _refresh_settings(self) -> None:
+        k = self.k
+        s = self.settings
+        s.k = k
+        s.survival_by_tier = np.stack(
+            [self.profile.survival(self.div, self.thresholds[n], k) for n in self.tier_names]
+        )
+        s.distortion_by_tier = np.array(
+            [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n in self.tier_names]
+        )
+
+    def _schedule_segment(self, replica: Replica, end_s: float | None) -> list[Event]:
+        if end_s is None:
+            if replica.state is ReplicaState.DRAINING and replica.load(self.now) == 0:
+                replica.state = ReplicaState.STOPPED
+                replica.stopped_s = self.now
+            return []
+        return [SegmentEnd(end_s, replica.id, replica.version)]
+
+    def _routable(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state is ReplicaState.READY]
+
+    def _active_count(self) -> int:
+        return sum(1 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.STARTING))
+
+    # ---------------------------------------------------------------- handlers
+
+    def on_arrival(self, now: float, rid: int) -> list[Event]:
+        out: list[Event] = []
+        nxt = rid + 1
+        if nxt < self.table.n:
+            out.append(Arrival(float(self.table.arrival_s[nxt]), nxt))
+        self._next_arrival = nxt
+        self.counters.arrivals += 1
+        cands = self._routable()
+        replica = self._route(now, rid, cands) if cands else None
+        if replica is None or len(replica.queue) >= replica.max_queue:
+            self.table.rejected[rid] = True
+            self.counters.rejections += 1
+            return out
+        self.table.replica[rid] = replica.id
+        replica.queue.append(rid)
+        if replica.segment is None:
+            out += self._schedule_segment(replica, replica.start_segment(now, self.settings))
+        elif len(replica.queue) == 1:
+            moved = replica.truncate(now, need_room=True)
+            if moved is not None:
+                out.append(SegmentEnd(moved, replica.id, replica.version))
+        return out
+
+    def _route(self, now: float, rid: int, cands: list[Replica]) -> Replica:
+        n = len(cands)
+        if n == 1:
+            return cands[0]
+        mode = self.config.routing
+        if mode == "round_robin":
+            self._rr = (self._rr + 1) % n
+            return cands[self._rr]
+        if mode == "power_of_two":
+            u1, u2 = self._route_u[rid]
+            i = int(u1 * n)
+            j = int(u2 * (n - 1))
+            if j >= i:
+                j += 1
+            a, b = cands[i], cands[j]
+            return a if a.load(now) <= b.load(now) else b
+        best = cands[0]
+        best_load = math.inf
+        for r in cands:
+            load = r.load(now)
+            if load < best_load:
+                best, best_load = r, load
+        return best
+
+    def on_segment_end(self, now: float, replica_id: int, version: int) -> list[Event]:
+        replica = self.replicas[replica_id]
+        if version != replica.version or replica.segment is None:
+            return []  # superseded by a truncation
+        return self._schedule_segment(replica, replica.finish_segment(self.settings))
+
+    def on_replica_ready(self, now: float, replica_id: int) -> list[Event]:
+        r = self.replicas[replica_id]
+        if r.state is ReplicaState.STARTING:
+            r.state = ReplicaState.READY
+        return []
+
+    def on_apply_decision(self, now: float, decision: Decision) -> list[Event]:
+        changed = False
+        new = clamp_thresholds(self.slo, dict(decision.thresholds))
+        for name, t in new.items():
+            if t != self.thresholds[name]:
+                self.thresholds[name] = t
+                changed = True
+        k = decision.draft_length
+        if k is not None and k != self.k:
+            if k in self.profile.draft_lengths(self.div):
+                self.k = k
+                changed = True
+            else:
+                self.ignored_draft_lengths.add(k)
+        if decision.replicas is not None:
+            self._policy_replicas = decision.replicas
+        if not changed:
+            return []
+        self._refresh_settings()
+        out: list[Event] = []
+        for r in self.replicas:
+            if r.segment is not None:
+                moved = r.truncate(now, need_room=False)
+                if moved is not None:
+                    out.append(SegmentEnd(moved, r.id, r.version))
+        return out
+
+    def on_control_tick(self, now: float) -> list[Event]:
+        telemetry = self._telemetry(now)
+        decision = self.policy.decide(telemetry)
+        out: list[Event] = [ApplyDecision(now + self.config.push_delay_s, decision)]
+        out += self._autoscale(now, telemetry)
+        self._last_tick_s = now
+        self.counters.reset()
+        work_left = self._next_arrival < self.table.n or any(
+            r.segment is not None or r.queue for r in self.replicas
+        )
+        # Tick w at exactly w·interval, so it reads bin w (see WindowBins).
+        self._tick += 1
+        nxt = (self._tick + 1) * self.config.control_interval_s
+        if work_left and nxt <= self.end_s:
+            out.append(ControlTick(nxt))
+        if self._progress is not None:
+            self._progress.update(now - self._progress.n)
+        return out
+
+    def _autoscale(self, now: float, telemetry: Telemetry) -> list[Event]:
+        if self.autoscaler is None:
+            return []
+        current = self._active_count()
+        if self.config.honour_policy_replicas and self._policy_replicas is not None:
+            desired = self._policy_replicas
+        else:
+            desired = self.autoscaler.desired_from_load(telemetry.in_flight)
+        target = self.autoscaler.target(now, current, desired)
+        out: list[Event] = []
+        if target > current:
+            startup = self.autoscaler.config.startup_s
+            for _ in range(target - current):
+                r = self._new_replica(now, startup)
+                if r.state is ReplicaState.STARTING:
+                    out.append(ReplicaReady(now + startup, r.id))
+        elif target < current:
+            # Cancel replicas still starting first, then drain the least loaded.
+            victims = [r for r in self.replicas if r.state is ReplicaState.STARTING]
+            victims += sorted(self._routable(), key=lambda r: (r.load(now), -r.id))
+            for r in victims[: current - target]:
+                if r.state is ReplicaState.STARTING or r.load(now) == 0:
+                    r.state = ReplicaState.STOPPED
+                    r.stopped_s = now
+                else:
+                    r.state = ReplicaState.DRAINING
+        return out
+
+    # ---------------------------------------------------------------- telemetry
+
+    def _telemetry(self, now: float) -> Telemetry:
+        window_s = max(now - self._last_tick_s, 1e-9)
+        w = self._tick + 1
+        sums = self.bins.sums[w]
+        n_t = len(self.tier_names)
+        tokens = float(sums[WindowBins.TOKENS])
+        seq_iters = float(sums[WindowBins.SEQ_ITERS])
+        accepted = float(sums[WindowBins.ACCEPTED])
+        distortion = float(sums[WindowBins.DISTORTION])
+        # Completions registered in this bin, minus any a truncation voided or moved.
+        cand = self.bins.take_completions(w)
+        if cand.size:
+            c = self.table.completion_s[cand]
+            cand = np.unique(cand[(c > self._last_tick_s) & (c <= now)])
+        done = cand
+        tiers, met = tier_windows(
+            self.table, done, self.slo, self.thresholds, sums[4 : 4 + n_t], sums[4 + n_t :]
+        )
+        ttft, tpot, e2e = latencies_ms(self.table, done)
+        live = [r for r in self.replicas if r.state is not ReplicaState.STOPPED]
+        queue_per = tuple(len(r.queue) for r in live)
+        in_flight = sum(r.load(now) for r in live)
+        k = self.k
+        tel = Telemetry(
+            time_s=now,
+            window_s=window_s,
+            arrivals=self.counters.arrivals,
+            completions=int(done.size),
+            rejections=self.counters.rejections,
+            queue_depth=sum(queue_per),
+            queue_depth_per_replica=queue_per,
+            in_flight=in_flight,
+            ttft=fast_summary(ttft),
+            tpot=fast_summary(tpot[~np.isnan(tpot)]),
+            e2e=fast_summary(e2e),
+            acceptance_rate=accepted / (k * seq_iters) if seq_iters else math.nan,
+            mean_accepted_per_iter=accepted / seq_iters if seq_iters else math.nan,
+            mean_distortion=distortion / tokens if tokens else 0.0,
+            output_tokens=int(round(tokens)),
+            output_tokens_per_s=tokens / window_s,
+            replicas=max(1, self._active_count()),
+            draft_length=k,
+            age_s=self.config.telemetry_age_s,
+            tiers=tiers,
+        )
+        self._record_tick(tel, int(met.sum()))
+        return tel
+
+    def _record_tick(self, tel: Telemetry, met: int) -> None:
+        ts = self.timeseries
+        finished = tel.completions + tel.rejections
+        row: dict[str, float] = {
+            "time_s": tel.time_s,
+            "arrival_rate": tel.arrival_rate,
+            "completions": tel.completions,
+            "rejections": tel.rejections,
+            "queue_depth": tel.queue_depth,
+            "in_flight": tel.in_flight,
+            "replicas": tel.replicas,
+            "output_tokens_per_s": tel.output_tokens_per_s,
+            "ttft_p95_ms": tel.ttft.p95_ms,
+            "tpot_p50_ms": tel.tpot.p50_ms,
+            "tpot_p95_ms": tel.tpot.p95_ms,
+            "tpot_p99_ms": tel.tpot.p99_ms,
+            "e2e_p95_ms": tel.e2e.p95_ms,
+            "attainment": met / finished if finished else math.nan,
+            "mean_distortion": tel.mean_distortion,
+            "acceptance_rate": tel.acceptance_rate,
+        }
+        for name in self.tier_names:
+            row[f"T_{name}"] = self.thresholds[name]
+        for key, value in row.items():
+            ts.setdefault(key, []).append(float(value))
+
+    # ---------------------------------------------------------------- run
+
+    def run(self, progress: bool = False) -> SimResult:
+        """Simulate to completion (or ``drain_timeout_s`` past the last arrival) and summarise."""
+        self._progress = None
+        if progress:
+            from tqdm import tqdm
+
+            self._progress = tqdm(total=round(self.arrival_horizon_s), unit="sim-s", file=sys.stderr,
+                                  leave=False, desc=f"sim {self.workload_name}")
+        # The first decision lands before any traffic, from an empty window.
+        initial = Telemetry(time_s=0.0, window_s=self.config.control_interval_s,
+                            replicas=self.config.replicas, draft_length=self.k,
+                            age_s=self.config.telemetry_age_s)
+        self.on_apply_decision(0.0, self.policy.decide(initial))
+        if self.table.n:
+            self._push(Arrival(float(self.table.arrival_s[0]), 0))
+        self._push(ControlTick(self.config.control_interval_s))
+        heap = self._heap
+        end_s = self.end_s
+        while heap:
+            t, _, _, event = heapq.heappop(heap)
+            if t > end_s:
+                break
+            self.now = t
+            self.events += 1
+            for follow in event.handle(self):
+                self._push(follow)
+        for r in self.replicas:
+            r.close(min(self.now, end_s))
+        if self._progress is not None:
+            self._progress.close()
+        return self._result()
+
+    def _result(self) -> SimResult:
+        end = self.now
+        replica_seconds = sum(
+            (r.stopped_s if r.stopped_s is not None else end) - r.started_s for r in self.replicas
+        )
+        duration = max(self.arrival_horizon_s, 1e-9)
+        price = self.config.replica_usd_per_hour
+        if price is None and self.slo.cost is not None:
+            price = self.slo.cost.replica_usd_per_hour
+        summary = summarize(self.table, self.slo, duration, replica_seconds, price)
+        summary["duration_s"] = round(duration, 3)
+        summary["simulated_until_s"] = round(end, 3)
+        summary["peak_replicas"] = int(max(self.timeseries.get("replicas", [self.config.replicas])))
+        t = self.table
+        records = {
+            "arrival_s": t.arrival_s,
+            "tier": t.tier,
+            "prompt_tokens": t.prompt_tokens,
+            "output_tokens": t.output_tokens,
+            "replica": t.replica,
+            "start_s": t.start_s,
+            "first_token_s": t.first_token_s,
+            "completion_s": t.completion_s,
+            "rejected": t.rejected,
+            "distortion_sum": t.distortion_sum,
+        }
+        notes = list(self.requests.notes)
+        if self.ignored_draft_lengths:
+            notes.append(f"policy asked for draft lengths {sorted(self.ignored_draft_lengths)} "
+                         f"absent from the profile; ignored")
+        meta: dict[str, Any] = {
+            "workload": self.workload_name,
+            "policy": repr(self.policy),
+            "seed": self.config.seed,
+            "config": self.config.model_dump(),
+            "div": self.div,
+            "draft_length": self.k,
+            "tier_names": self.tier_names,
+            "profile_provenance": self.profile.provenance.model_dump(),
+            "notes": notes,
+        }
+        if self.requests.attribution:
+            meta["attribution"] = self.requests.attribution
+        iterations = sum(r.iterations for r in self.replicas)
+        return SimResult(summary, self.timeseries, records, meta, iterations=iterations, events=self.events)
+
+
+def simulate(
+    workload: Workload | Requests,
+    policy: Policy,
+    *,
+    profile: Profile | None = None,
+    slo: SLOSpec | None = None,
+    config: SimConfig | None = None,
+    progress: bool = False,
+) -> SimResult:
+    """Convenience: build a :class:`Simulator` with defaults and run it."""
+    sim = Simulator(
+        config or SimConfig(),
+        profile or Profile.default(),
+        slo or SLOSpec.default(),
+        workload,
+        policy,
+    )
+    return sim.run(progress=progress)

@@ -39,6 +39,8 @@ def replica_options(cfg: FSDConfig) -> dict[str, Any]:
         # Waiting requests get a bounded drain on scale-down / redeploy instead of being cut.
         "graceful_shutdown_timeout_s": 10.0,
         "graceful_shutdown_wait_loop_s": 0.5,
+        # The controller calls stats/set_thresholds every tick; per-call access lines would drown the log.
+        "logging_config": {"enable_access_log": False},
     }
     if cfg.serve.autoscaling_config is not None:
         opts["autoscaling_config"] = dict(cfg.serve.autoscaling_config)
@@ -57,6 +59,7 @@ def build_app(cfg: FSDConfig) -> Application:
         max_ongoing_requests=64,
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=5.0,
+        logging_config={"enable_access_log": False},
     )
     ingress = serve.deployment(FSDIngress).options(
         name=INGRESS_DEPLOYMENT,

@@ -199,7 +199,9 @@ class BanditPolicy:
         self.tier = resolve_tiers(slo, tier if tier is not None else slo.default_tier)[0]
         tier_slo = slo.tiers[self.tier]
         if arms is None:
-            arms = [round(float(t), 6) for t in np.linspace(tier_slo.min_threshold, tier_slo.max_threshold, 6)]
+            arms = [
+                round(float(t), 6) for t in np.linspace(tier_slo.min_threshold, tier_slo.max_threshold, 6)
+            ]
         self.arms: list[Arm] = []
         for i, arm in enumerate(arms):
             t, k = _parse_arm(arm)

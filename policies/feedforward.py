@@ -13,8 +13,9 @@ Each window, per tier with a TPOT target:
    ``headroom`` < 1;
 3. with ``respect_budget``, ``T_ff`` is capped at the largest T whose curve distortion is within the
    tier's budget;
-4. a PID on the observed slack (the same :class:`policies.pid.PID`) adds a trim in ``[−1, 1]`` of the
-   tier's range, absorbing what the model gets wrong; the result is clamped into the tier's bounds.
+4. a PID on the observed slack (the same :class:`policies.pid.PID`) adds a trim, in fractions of the
+   tier's range, absorbing what the model gets wrong. The trim's limits are ``[−u_ff, 1 − u_ff]`` (the
+   room the feed-forward leaves), so its integral cannot wind up while the sum sits at a bound.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ class LinearLatencyModel:
 class FeedForwardPolicy:
     """Model-predicted T per tier plus a PID trim on the residual TPOT slack (see the module docstring).
 
-    ``tiers`` None ⇒ every unpinned tier with a TPOT target. ``trim_kp``/``trim_ki``/``trim_deadband``
-    parameterise the trim PID (gains on slack, output in fractions of the tier's range, limited to
+    ``tiers`` None ⇒ every unpinned tier with a TPOT target. ``trim_kp``/``trim_ki``/``trim_deadband``/
+    ``trim_setpoint`` parameterise the trim PID (gains on slack, output in fractions of the tier's range, limited to
     ``[−1, 1]``). ``grid_points`` sets how finely the range is searched for ``T_ff``.
     """
 
@@ -147,9 +148,10 @@ class FeedForwardPolicy:
         tiers: str | list[str] | tuple[str, ...] | None = None,
         headroom: float = 0.8,
         respect_budget: bool = True,
-        trim_kp: float = 0.1,
-        trim_ki: float = 0.05,
-        trim_deadband: float = 0.05,
+        trim_kp: float = 0.2,
+        trim_ki: float = 0.2,
+        trim_deadband: float = 0.02,
+        trim_setpoint: float = 0.0,
         max_batch_size: int | None = None,
         grid_points: int = 101,
     ) -> None:
@@ -172,10 +174,17 @@ class FeedForwardPolicy:
         self.tiers = names
         self.headroom, self.respect_budget = headroom, respect_budget
         self.trim_kp, self.trim_ki, self.trim_deadband = trim_kp, trim_ki, trim_deadband
+        self.trim_setpoint = trim_setpoint
         self.max_batch_size, self.grid_points = max_batch_size, grid_points
         self.trims = {
             n: PID(
-                trim_kp, trim_ki, 0.0, output_limits=(-1.0, 1.0), deadband=trim_deadband, initial_output=0.0
+                trim_kp,
+                trim_ki,
+                0.0,
+                setpoint=trim_setpoint,
+                output_limits=(-1.0, 1.0),
+                deadband=trim_deadband,
+                initial_output=0.0,
             )
             for n in names
         }
@@ -233,9 +242,13 @@ class FeedForwardPolicy:
         for name, trim in self.trims.items():
             tier = self.slo.tiers[name]
             t_ff = self.feedforward_threshold(name, batch)
+            u_ff = fraction_from_threshold(tier, t_ff)
+            # The trim may only use the room the feed-forward leaves in [0, 1]; tying its limits (and
+            # so its integral) to that room is the anti-windup for the combined output.
+            trim.set_output_limits(-u_ff, 1.0 - u_ff)
             if advance:
                 trim(normalised_slack(telemetry, name, tier, "tpot", clip=2.0), dt)
-            fraction = min(max(fraction_from_threshold(tier, t_ff) + trim.output, 0.0), 1.0)
+            fraction = min(max(u_ff + trim.output, 0.0), 1.0)
             # The trim corrects latency; it may not push past the model's quality cap.
             thresholds[name] = min(threshold_from_fraction(tier, fraction), self.budget_cap(name))
             parts.append(f"{name}: batch {batch:.3g} -> T_ff={t_ff:.3g}, trim {trim.output:+.3f}")
@@ -253,6 +266,7 @@ class FeedForwardPolicy:
             "trim_kp": self.trim_kp,
             "trim_ki": self.trim_ki,
             "trim_deadband": self.trim_deadband,
+            "trim_setpoint": self.trim_setpoint,
             "max_batch_size": self.max_batch_size,
             "grid_points": self.grid_points,
         }

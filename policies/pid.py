@@ -87,6 +87,14 @@ class PID:
         self._proportional = 0.0
         self._derivative = 0.0
 
+    def set_output_limits(self, low: float, high: float) -> None:
+        """Move the output limits; the integral and the held output are clamped into them at once."""
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+            raise ValueError(f"output_limits must be finite with low <= high, got {(low, high)}")
+        self.output_limits = (low, high)
+        self._integral = _clamp(self._integral, low, high)
+        self._output = _clamp(self._output, low, high)
+
     @property
     def components(self) -> tuple[float, float, float]:
         """The (P, I, D) terms of the last update (I includes the initial output)."""

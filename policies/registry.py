@@ -84,9 +84,10 @@ class FeedForwardParams(_Params):
     tiers: list[str] | None = None
     headroom: float = Field(0.8, gt=0, le=1)
     respect_budget: bool = True
-    trim_kp: float = Field(0.1, ge=0)
-    trim_ki: float = Field(0.05, ge=0)
-    trim_deadband: float = Field(0.05, ge=0)
+    trim_kp: float = Field(0.2, ge=0)
+    trim_ki: float = Field(0.2, ge=0)
+    trim_deadband: float = Field(0.02, ge=0)
+    trim_setpoint: float = 0.0
     max_batch_size: int | None = Field(None, ge=1)
 
 
@@ -131,6 +132,7 @@ def _build_feedforward(p: FeedForwardParams, slo: SLOSpec, ctx: _Context) -> Pol
         trim_kp=p.trim_kp,
         trim_ki=p.trim_ki,
         trim_deadband=p.trim_deadband,
+        trim_setpoint=p.trim_setpoint,
         max_batch_size=p.max_batch_size,
     )
 

@@ -1,0 +1,132 @@
+"""make_policy / describe: every name builds and decides, bad configs raise ValueError naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from policies.base import Policy
+from policies.feedforward import LinearLatencyModel, SpeedCurve
+from policies.guards import FailSafe
+from policies.pid import PIDPolicy
+from policies.registry import POLICY_NAMES, describe, make_policy
+from tests.policies.builders import make_slo, make_telemetry
+
+CURVE = [
+    {"threshold": 0.0, "tokens_per_iteration": 3.0, "mean_distortion": 0.0},
+    {"threshold": 1.0, "tokens_per_iteration": 4.3, "mean_distortion": 0.12},
+    {"threshold": 4.0, "tokens_per_iteration": 4.8, "mean_distortion": 0.3},
+]
+LATENCY = {"draft_ms_per_token": 11.0, "verify_ms": 63.0, "verify_ms_per_seq": 5.0}
+
+SPECS: dict[str, dict[str, Any]] = {
+    "static": {"policy": "static", "thresholds": 0.5},
+    "pid": {"policy": "pid", "kp": 0.5, "ki": 0.1},
+    "bandit": {"policy": "bandit", "arms": [0.0, 0.5, 1.0], "seed": 3},
+    "feedforward": {"policy": "feedforward", "curve": CURVE, "latency": LATENCY},
+}
+
+
+def test_names_listed_are_the_ones_built() -> None:
+    assert set(POLICY_NAMES) == set(SPECS)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_policy_builds_from_a_spec_and_decides(name: str) -> None:
+    slo = make_slo()
+    policy = make_policy(SPECS[name], slo)
+    assert isinstance(policy, Policy) and isinstance(policy, FailSafe)  # guards on by default
+    decision = policy.decide(make_telemetry(tpot_ms=70.0))
+    assert set(decision.thresholds) == set(slo.tiers)
+    for tier, t in decision.thresholds.items():
+        assert t == slo.tiers[tier].clamp(t), tier
+    info = describe(policy)
+    assert info["name"] == "failsafe" and info["last_decision"]["thresholds"] == dict(decision.thresholds)
+    node = info
+    while "inner" in node:
+        node = node["inner"]
+    assert node["name"] == name
+
+
+@pytest.mark.parametrize("name", ["static", "pid", "bandit"])
+def test_a_bare_name_builds_with_defaults(name: str) -> None:
+    assert isinstance(make_policy(name, make_slo()), Policy)
+
+
+def test_static_shorthand_and_json_string() -> None:
+    decision = make_policy("static:0.25", make_slo()).decide(make_telemetry())
+    assert decision.thresholds["standard"] == 0.25 and decision.thresholds["economy"] == 0.25
+    policy = make_policy('{"policy": "pid", "kp": 0.4, "guards": false}', make_slo())
+    assert isinstance(policy, PIDPolicy) and policy.kp == 0.4
+
+
+def test_feedforward_takes_curve_and_latency_from_the_caller() -> None:
+    curve = SpeedCurve.from_points(CURVE)
+    policy = make_policy(
+        "feedforward", make_slo(), speed_curve=curve, latency_model=LinearLatencyModel(**LATENCY)
+    )
+    assert isinstance(policy.decide(make_telemetry()).thresholds["standard"], float)
+    with pytest.raises(ValueError, match=r"^feedforward\.curve: a speed curve is required"):
+        make_policy("feedforward", make_slo())
+
+
+def test_guards_block_configures_the_wrappers() -> None:
+    policy = make_policy(
+        {"policy": "static", "thresholds": 0.5, "guards": {"quality": False, "stale_after_s": 2}}, make_slo()
+    )
+    info = describe(policy)
+    assert info["name"] == "failsafe" and info["params"]["stale_after_s"] == 2.0
+    assert info["inner"]["name"] == "clamp"  # no quality guard
+    bare = make_policy({"policy": "static", "thresholds": 0.5, "guards": False}, make_slo())
+    assert describe(bare) == {
+        "name": "static",
+        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}},
+        "last_decision": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"policy": "pid", "kp": "fast"}, r"^pid\.kp: Input should be a valid number"),
+        ({"policy": "pid", "kp": -1}, r"^pid\.kp: Input should be greater than or equal to 0"),
+        ({"policy": "pid", "kq": 0.5}, r"^pid\.kq: Extra inputs are not permitted"),
+        (
+            {"policy": "pid", "metric": "latency"},
+            r"^pid\.metric: Input should be 'tpot', 'ttft', 'e2e' or 'queue_delay'",
+        ),
+        ({"policy": "pid", "tiers": ["gold"]}, r"^pid: unknown tier 'gold'"),
+        ({"policy": "pid", "metric": "ttft"}, r"^pid\.metric: no unpinned tier has a target for 'ttft'"),
+        ({"policy": "bandit", "window": 0}, r"^bandit\.window: Input should be greater than or equal to 1"),
+        ({"policy": "bandit", "arms": [0.0, 2.0]}, r"^bandit\.arms\[1\]: T=2.0 outside tier 'standard'"),
+        ({"policy": "bandit", "context": "moon_phase"}, r"^bandit\.context: Input should be"),
+        (
+            {"policy": "static", "thresholds": {"gold": 0.5}},
+            r"^static\.thresholds: unknown tier\(s\) \['gold'\]",
+        ),
+        (
+            {"policy": "static", "thresholds": 0.5, "guards": {"stale_after_s": -1}},
+            r"^guards\.stale_after_s: Input should be greater than 0",
+        ),
+        (
+            {"policy": "static", "guards": {"qualty": True}},
+            r"^guards\.qualty: Extra inputs are not permitted",
+        ),
+        (
+            {"policy": "feedforward", "curve": [{"threshold": 0.0}], "latency": LATENCY},
+            r"^feedforward\.curve\.0\.tokens_per_iteration: Field required",
+        ),
+        ("static:fast", r"^static\.thresholds: not a number"),
+        ('{"policy": "pid",', r"^policy spec: invalid JSON"),
+    ],
+)
+def test_bad_config_raises_value_error_naming_the_field(spec: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_policy(spec, make_slo())
+
+
+@pytest.mark.parametrize("spec", ["magic", {"policy": "magic"}, {"kp": 0.5}])
+def test_unknown_policy_name_lists_the_known_ones(spec: Any) -> None:
+    with pytest.raises(ValueError, match=r"known policies: \['static', 'pid', 'bandit', 'feedforward'\]"):
+        make_policy(spec, make_slo())

@@ -80,6 +80,7 @@ class EventCounters:
 
     arrivals: int = 0
     rejections: int = 0
+    admitted_total: int = 0  # never reset: in flight = admitted_total − completions so far
 
     def reset(self) -> None:
         self.arrivals = self.rejections = 0

@@ -93,8 +93,14 @@ def tier_windows(
     tiers = table.tier[completed_ids]
     out: dict[str, TierWindow] = {}
     for i, name in enumerate(table.tier_names):
-        sel = tiers == i
         tokens = float(tier_tokens[i])
+        if not completed_ids.size or not (sel := tiers == i).any():
+            out[name] = TierWindow(
+                threshold=thresholds[name],
+                mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
+                output_tokens=int(tokens),
+            )
+            continue
         tpot_sel = tpot[sel]
         out[name] = TierWindow(
             threshold=thresholds[name],

@@ -111,6 +111,13 @@ class LatencyModel(BaseModel):
         verify = self.verify_a_ms + self.verify_b_ms * b + self.verify_c_ms * k * b
         return draft + verify
 
+    def iteration_coeffs(self, k: int) -> tuple[float, float]:
+        """``(fixed, per_seq)`` with iteration_ms(B, k) = fixed + per_seq · B."""
+        return (
+            k * self.draft_a_ms + self.verify_a_ms,
+            k * self.draft_b_ms + self.verify_b_ms + self.verify_c_ms * k,
+        )
+
     def prefill_ms(self, prompt_tokens: int) -> float:
         return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
 

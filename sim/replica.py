@@ -48,6 +48,9 @@ class DecodeSettings:
     k: int
     survival_by_tier: np.ndarray  # [n_tiers, k] P(at least i+1 drafts accepted)
     distortion_by_tier: np.ndarray  # [n_tiers] mean TV per emitted decode token
+    neg_survival_by_tier: np.ndarray  # [n_tiers, k] −survival (ascending, for searchsorted)
+    tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
+    iteration_coeffs: tuple[float, float]  # iteration ms = fixed + per_seq · B at the current k
 
 
 @dataclass
@@ -107,7 +110,7 @@ class Replica:
         seg = self.segment
         if seg is None:
             return int(self.running.size) + len(self.queue)
-        j = int(np.searchsorted(seg.end_s[: seg.length], now, side="right"))
+        j = int(seg.end_s[: seg.length].searchsorted(now, side="right"))
         done = int(seg.finished_by[j - 1]) if j else 0
         return int(seg.ids.size) - done + len(self.queue)
 
@@ -135,75 +138,74 @@ class Replica:
         b = ids.size
         k = settings.k
         tiers = table.tier[ids]
-        survival = settings.survival_by_tier[tiers]  # [B, k]
 
         # Horizon: enough decode iterations for the shortest sequence if someone waits for a slot,
         # otherwise for the longest one; capped (the segment just continues in a fresh draw).
-        decode_remaining = remaining.copy()
-        decode_remaining[:n_new] -= 1  # joiners get their first token from the prefill
+        decode_remaining = remaining - 1 if n_new == b else remaining.copy()
+        if n_new < b:
+            decode_remaining[:n_new] -= 1  # joiners get their first token from the prefill
         need = int(decode_remaining.min()) if self.queue else int(decode_remaining.max())
         h = max(1, min(need, self.horizon_iters))
 
-        # accepted = #{i : u < S_i} (S is non-increasing in i): exact draw of the accepted count.
+        # accepted = #{i : u < S_i} with S_i = P(at least i+1 accepted), non-increasing in i: an exact
+        # draw of the accepted count from one uniform, as a binary search in -S (ascending).
         u = self.rng.random((h, b))
-        accepted = (u < survival[:, 0]).astype(np.int64)  # [h, B]
-        for i in range(1, k):
-            accepted += u < survival[:, i]
-        raw = accepted + 1
+        neg_survival = settings.neg_survival_by_tier
+        t0 = int(tiers[0])
+        if b == 1 or bool((tiers == t0).all()):
+            accepted = neg_survival[t0].searchsorted(-u)
+        else:
+            accepted = np.empty((h, b), dtype=np.int64)
+            for t in np.unique(tiers).tolist():
+                cols = tiers == t
+                accepted[:, cols] = neg_survival[t].searchsorted(-u[:, cols])
+        off = 1 if n_new else 0  # row 0 is the joiners' prefill
+        n_iter = h + off
+        raw = np.empty((n_iter, b), dtype=np.int64)
         if n_new:
-            first = np.zeros((1, b), dtype=raw.dtype)
-            first[0, :n_new] = 1
-            raw = np.concatenate([first, raw], axis=0)
-            accepted = np.concatenate([np.zeros((1, b), dtype=accepted.dtype), accepted], axis=0)
-        n_iter = raw.shape[0]
-        cum = np.cumsum(raw, axis=0)
+            raw[0] = 0
+            raw[0, :n_new] = 1
+        np.add(accepted, 1, out=raw[off:])
+        cum = raw.cumsum(axis=0)
         capped = np.minimum(cum, remaining)
-        tokens = capped.copy()
+        tokens = capped.copy()  # [L, B]
         tokens[1:] -= capped[:-1]
-        done = cum >= remaining  # [L, B]
-        finish_iter = np.where(done[-1], done.argmax(axis=0), n_iter + 1)
-        finished_by = np.cumsum(np.bincount(finish_iter, minlength=n_iter + 2)[:n_iter])
+        # Index of the iteration in which each sequence completes (n_iter: not within this draw).
+        finish_iter = (cum < remaining).sum(axis=0)
+        finished_by = np.bincount(finish_iter, minlength=n_iter + 1)[:n_iter].cumsum()
         active_after = b - finished_by  # [L]
         active_before = np.empty(n_iter, dtype=np.int64)
         active_before[0] = b
         active_before[1:] = active_after[:-1]
-        running_mask = np.arange(n_iter)[:, None] <= finish_iter
-        if n_new:
-            running_mask[0] = False  # the prefill iteration drafts nothing
 
-        dt_ms = self.latency.iteration_ms(active_before, k)
+        fixed_ms, per_seq_ms = settings.iteration_coeffs
+        dt_ms = fixed_ms + per_seq_ms * active_before
         if n_new:
             dt_ms[0] = self.latency.prefill_ms(int(table.prompt_tokens[new_ids].sum()))
         if self.latency.iteration_time_dist == "exponential":
             dt_ms = dt_ms * self.rng.exponential(1.0, size=n_iter)
-        end_s = now + np.cumsum(dt_ms) / 1000.0
+        end_s = now + dt_ms.cumsum() / 1000.0
 
         # Last iteration that can run: the batch empties, or (someone queued) a slot frees up.
-        live = np.flatnonzero(active_before)
-        length = int(live[-1]) + 1
+        length = n_iter if active_before[-1] else int(np.argmin(active_before))
         if self.queue:
             room_at = np.flatnonzero(active_after[:length] < self.max_batch)
             if room_at.size:
                 length = int(room_at[0]) + 1
 
-        # Per-iteration window sums.
-        dpt = settings.distortion_by_tier[tiers]
-        decode_tokens = tokens.astype(np.float64)
+        # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
+        # row of tier_weights is [1, 0, 0, d_τ, onehot(τ), d_τ·onehot(τ)] for its tier τ.
+        features = tokens.astype(np.float64) @ settings.tier_weights[tiers]  # [L, F]
+        features[:, 1] = active_before
+        # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
+        # iteration is clipped at its output length, which undercounts that iteration's accepts.
+        np.subtract(features[:, 0], active_before, out=features[:, 2])
         if n_new:
-            decode_tokens[0] = 0.0
-        dist = decode_tokens * dpt
-        onehot = np.zeros((b, self.bins.n_tiers))
-        onehot[np.arange(b), tiers] = 1.0
-        features = np.empty((n_iter, self.bins.n_features))
-        features[:, 0] = tokens.sum(axis=1)
-        features[:, 1] = running_mask.sum(axis=1)
-        features[:, 2] = (accepted * running_mask).sum(axis=1)
-        features[:, 3] = dist.sum(axis=1)
-        t = self.bins.n_tiers
-        features[:, 4 : 4 + t] = tokens @ onehot
-        features[:, 4 + t :] = dist @ onehot
+            features[0, 1:4] = 0.0  # the prefill iteration: first tokens only, target-sampled
+            features[0, 4 + self.bins.n_tiers :] = 0.0
         bins = self.bins.bin_of(end_s)
         self.bins.add(bins[:length], features[:length])
+        dpt = settings.distortion_by_tier[tiers]
 
         if n_new:
             table.first_token_s[new_ids] = end_s[0]
@@ -242,7 +244,7 @@ class Replica:
         seg = self.segment
         if seg is None:
             return None
-        j = int(np.searchsorted(seg.end_s[: seg.length], now, side="left"))
+        j = int(seg.end_s[: seg.length].searchsorted(now, side="left"))
         if j >= seg.length:
             return None
         if need_room:
@@ -283,7 +285,7 @@ class Replica:
         seg = self.segment
         if seg is None:
             return
-        j = int(np.searchsorted(seg.end_s[: seg.length], now, side="right"))
+        j = int(seg.end_s[: seg.length].searchsorted(now, side="right"))
         if j < seg.length:
             self._void_after(seg, j)
         self._fold(seg)

@@ -108,6 +108,9 @@ class Simulator:
             k=self.k,
             survival_by_tier=np.zeros((len(self.tier_names), self.k)),
             distortion_by_tier=np.zeros(len(self.tier_names)),
+            neg_survival_by_tier=np.zeros((len(self.tier_names), self.k)),
+            tier_weights=np.zeros((len(self.tier_names), 4 + 2 * len(self.tier_names))),
+            iteration_coeffs=profile.latency.iteration_coeffs(self.k),
         )
         self._refresh_settings()
         self.autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
@@ -128,6 +131,8 @@ class Simulator:
         self.bins = WindowBins(config.control_interval_s, self.end_s + config.control_interval_s,
                                len(self.tier_names))
         self._tick = 0
+        self._routable_cache: list[Replica] | None = None
+        self._completed_total = 0
         self.replicas: list[Replica] = []
         for _ in range(config.replicas):
             self._new_replica(0.0, 0.0)
@@ -157,29 +162,42 @@ class Simulator:
             horizon_iters=self.config.horizon_iters,
         )
         self.replicas.append(r)
+        self._routable_cache = None
         return r
 
     def _refresh_settings(self) -> None:
         k = self.k
         s = self.settings
         s.k = k
+        s.iteration_coeffs = self.profile.latency.iteration_coeffs(k)
         s.survival_by_tier = np.stack(
             [self.profile.survival(self.div, self.thresholds[n], k) for n in self.tier_names]
         )
         s.distortion_by_tier = np.array(
             [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n in self.tier_names]
         )
+        s.neg_survival_by_tier = -s.survival_by_tier
+        n_t = len(self.tier_names)
+        w = np.zeros((n_t, 4 + 2 * n_t))
+        w[:, 0] = 1.0
+        w[:, 3] = s.distortion_by_tier
+        w[:, 4 : 4 + n_t] = np.eye(n_t)
+        w[:, 4 + n_t :] = np.diag(s.distortion_by_tier)
+        s.tier_weights = w
 
     def _schedule_segment(self, replica: Replica, end_s: float | None) -> list[Event]:
         if end_s is None:
             if replica.state is ReplicaState.DRAINING and replica.load(self.now) == 0:
                 replica.state = ReplicaState.STOPPED
+                self._routable_cache = None
                 replica.stopped_s = self.now
             return []
         return [SegmentEnd(end_s, replica.id, replica.version)]
 
     def _routable(self) -> list[Replica]:
-        return [r for r in self.replicas if r.state is ReplicaState.READY]
+        if self._routable_cache is None:
+            self._routable_cache = [r for r in self.replicas if r.state is ReplicaState.READY]
+        return self._routable_cache
 
     def _active_count(self) -> int:
         return sum(1 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.STARTING))
@@ -200,6 +218,7 @@ class Simulator:
             self.counters.rejections += 1
             return out
         self.table.replica[rid] = replica.id
+        self.counters.admitted_total += 1
         replica.queue.append(rid)
         if replica.segment is None:
             out += self._schedule_segment(replica, replica.start_segment(now, self.settings))
@@ -243,6 +262,7 @@ class Simulator:
         r = self.replicas[replica_id]
         if r.state is ReplicaState.STARTING:
             r.state = ReplicaState.READY
+            self._routable_cache = None
         return []
 
     def on_apply_decision(self, now: float, decision: Decision) -> list[Event]:
@@ -314,9 +334,11 @@ class Simulator:
             for r in victims[: current - target]:
                 if r.state is ReplicaState.STARTING or r.load(now) == 0:
                     r.state = ReplicaState.STOPPED
+                    self._routable_cache = None
                     r.stopped_s = now
                 else:
                     r.state = ReplicaState.DRAINING
+                    self._routable_cache = None
         return out
 
     # ---------------------------------------------------------------- telemetry
@@ -342,7 +364,8 @@ class Simulator:
         ttft, tpot, e2e = latencies_ms(self.table, done)
         live = [r for r in self.replicas if r.state is not ReplicaState.STOPPED]
         queue_per = tuple(len(r.queue) for r in live)
-        in_flight = sum(r.load(now) for r in live)
+        self._completed_total += int(done.size)
+        in_flight = self.counters.admitted_total - self._completed_total
         k = self.k
         tel = Telemetry(
             time_s=now,

@@ -136,7 +136,6 @@ class Replica:
         else:
             ids, remaining = self.running, self.remaining
         b = ids.size
-        k = settings.k
         tiers = table.tier[ids]
 
         # Horizon: enough decode iterations for the shortest sequence if someone waits for a slot,

@@ -189,7 +189,15 @@ class FeedForwardPolicy:
             for n in names
         }
         self._grids = {n: self._grid(slo.tiers[n]) for n in names}
+        # The curve is fixed: tabulate it on each tier's grid once (decide runs every control tick).
+        self._tokens_on_grid = {n: self._interp(g, "tokens_per_iteration") for n, g in self._grids.items()}
+        self._budget_caps = {n: self._budget_cap(n) for n in names}
         self.reset()
+
+    def _interp(self, grid: np.ndarray, column: str) -> np.ndarray:
+        xs = [p.threshold for p in self.curve.points]
+        ys = [float(getattr(p, column)) for p in self.curve.points]
+        return np.asarray(np.interp(grid, xs, ys), dtype=float)
 
     def _grid(self, tier: TierSLO) -> np.ndarray:
         lo, hi = tier.min_threshold, tier.max_threshold
@@ -211,24 +219,29 @@ class FeedForwardPolicy:
         batch = max(1.0, telemetry.in_flight / max(1, telemetry.replicas))
         return min(batch, float(self.max_batch_size)) if self.max_batch_size is not None else batch
 
-    def budget_cap(self, tier_name: str) -> float:
-        """The largest T whose curve distortion is within the tier's budget (the top without one)."""
-        tier = self.slo.tiers[tier_name]
+    def _budget_cap(self, tier_name: str) -> float:
         grid = self._grids[tier_name]
-        budget = tier.max_mean_distortion
+        budget = self.slo.tiers[tier_name].max_mean_distortion
         if not self.respect_budget or budget is None:
             return float(grid[-1])
-        within = [t for t in grid if self.curve.mean_distortion(float(t)) <= budget]
-        return float(within[-1]) if within else float(grid[0])
+        within = grid[self._interp(grid, "mean_distortion") <= budget]
+        return float(within[-1]) if within.size else float(grid[0])
+
+    def budget_cap(self, tier_name: str) -> float:
+        """The largest T whose curve distortion is within the tier's budget (the top without one)."""
+        return self._budget_caps[tier_name]
 
     def feedforward_threshold(self, tier_name: str, batch_size: float) -> float:
         """The smallest T predicted to meet ``headroom · tpot target``, capped by :meth:`budget_cap`."""
         tier = self.slo.tiers[tier_name]
         assert tier.tpot_ms is not None
         grid = self._grids[tier_name]
-        target = self.headroom * tier.tpot_ms
-        meets = [t for t in grid if self.predict_tpot_ms(float(t), batch_size) <= target]
-        chosen = float(meets[0]) if meets else float(grid[-1])
+        if isinstance(self.latency, LinearLatencyModel):
+            predicted = self.latency.iteration_ms(batch_size) / self._tokens_on_grid[tier_name]
+        else:
+            predicted = np.array([self.latency(float(t), batch_size) for t in grid])
+        meets = np.flatnonzero(predicted <= self.headroom * tier.tpot_ms)
+        chosen = float(grid[meets[0]]) if meets.size else float(grid[-1])
         return min(chosen, self.budget_cap(tier_name))
 
     def decide(self, telemetry: Telemetry) -> Decision:

@@ -160,6 +160,8 @@ class PIDPolicy:
     * ``max_rate`` — largest change of T per second, as a fraction of the tier's range.
     * ``error_clip`` — slack is clipped to ``[−1, error_clip]`` so one terrible window cannot slam T.
     * ``max_dt_s`` — longest dt credited to the integral (after a gap); None ⇒ 4 windows.
+    * ``min_samples`` — a window with fewer latencies than this counts as no evidence (hold): at low
+      traffic the p95 of one or two requests is mostly noise.
 
     ``dt`` is the time between consecutive telemetry windows (the first window uses ``window_s``); a
     window whose time does not advance holds the previous decision.
@@ -180,6 +182,7 @@ class PIDPolicy:
         max_rate: float | None = 0.2,
         error_clip: float = 2.0,
         max_dt_s: float | None = None,
+        min_samples: int = 1,
     ) -> None:
         if metric not in CONTROL_METRICS:
             raise ValueError(f"metric must be one of {CONTROL_METRICS}, got {metric!r}")
@@ -187,6 +190,9 @@ class PIDPolicy:
             raise ValueError(f"error_clip must be finite and > 0, got {error_clip}")
         if max_dt_s is not None and not (math.isfinite(max_dt_s) and max_dt_s > 0):
             raise ValueError(f"max_dt_s must be finite and > 0 (or None), got {max_dt_s}")
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        self.min_samples = min_samples
         self.slo = slo
         self.metric: ControlMetric = metric
         if tiers is None:
@@ -249,7 +255,9 @@ class PIDPolicy:
         parts: list[str] = []
         for name, pid in self.controllers.items():
             tier = self.slo.tiers[name]
-            slack = normalised_slack(telemetry, name, tier, self.metric, clip=self.error_clip)
+            slack = normalised_slack(
+                telemetry, name, tier, self.metric, clip=self.error_clip, min_samples=self.min_samples
+            )
             self.last_slack[name] = slack
             pid(slack, dt)
             t = threshold_from_fraction(tier, pid.output)
@@ -273,6 +281,7 @@ class PIDPolicy:
             "max_rate": self.max_rate,
             "error_clip": self.error_clip,
             "max_dt_s": self.max_dt_s,
+            "min_samples": self.min_samples,
         }
 
     def __repr__(self) -> str:

@@ -49,6 +49,7 @@ class PIDParams(_Params):
     max_rate: float | None = Field(0.2, gt=0)
     error_clip: float = Field(2.0, gt=0)
     max_dt_s: float | None = Field(None, gt=0)
+    min_samples: int = Field(1, ge=1)
 
 
 class BanditParams(_Params):

@@ -36,16 +36,20 @@ def _tier_window(telemetry: Telemetry, tier_name: str) -> TierWindow | None:
     return telemetry.tiers.get(tier_name)
 
 
-def observed_latency_ms(telemetry: Telemetry, tier_name: str, tier: TierSLO, metric: ControlMetric) -> float:
-    """The observed value of ``metric`` for a tier at the tier's percentile (NaN without evidence).
+def observed_latency_ms(
+    telemetry: Telemetry, tier_name: str, tier: TierSLO, metric: ControlMetric, min_samples: int = 1
+) -> float:
+    """The observed value of ``metric`` for a tier at the tier's percentile.
 
-    Uses the tier's own window when the telemetry splits by tier, else the aggregate window.
+    Uses the tier's own window when the telemetry splits by tier, else the aggregate window. NaN (no
+    evidence) when the window has fewer than ``min_samples`` latencies: the p95 of two requests is
+    their max, too noisy to act on.
     """
     if metric == "queue_delay":
         return queue_delay_ms(telemetry)
     window = _tier_window(telemetry, tier_name)
     summary: LatencySummary = window.latency(metric) if window is not None else telemetry.latency(metric)
-    if summary.count <= 0:
+    if summary.count < max(1, min_samples):
         return math.nan
     return summary.at(tier.percentile)
 
@@ -64,13 +68,18 @@ def queue_delay_ms(telemetry: Telemetry) -> float:
 
 
 def normalised_slack(
-    telemetry: Telemetry, tier_name: str, tier: TierSLO, metric: ControlMetric, clip: float = math.inf
+    telemetry: Telemetry,
+    tier_name: str,
+    tier: TierSLO,
+    metric: ControlMetric,
+    clip: float = math.inf,
+    min_samples: int = 1,
 ) -> float:
     """``(observed − target) / target`` clipped to ``[−1, clip]``; NaN without evidence or target."""
     target = metric_target_ms(tier, metric)
     if target is None:
         return math.nan
-    observed = observed_latency_ms(telemetry, tier_name, tier, metric)
+    observed = observed_latency_ms(telemetry, tier_name, tier, metric, min_samples)
     if math.isnan(observed):
         return math.nan
     return min(max((observed - target) / target, -1.0), clip)

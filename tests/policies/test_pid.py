@@ -268,3 +268,13 @@ def test_closed_loop_step_in_load_recovers_within_bounded_ticks_and_does_not_osc
     for i in range(settled, len(p95s)):
         assert np.mean(p95s[i - 4 : i + 1]) <= target, f"tick {i}: 5-window mean p95 over the SLO"
         assert abs(thresholds[i] - steady_t) <= 0.15, f"tick {i}: T {thresholds[i]:.3f} vs {steady_t:.3f}"
+
+
+def test_policy_treats_windows_with_too_few_samples_as_no_evidence() -> None:
+    policy = PIDPolicy(
+        make_slo(), tiers="standard", kp=0.5, ki=0.0, deadband=0.0, max_rate=None, min_samples=5
+    )
+    decision = policy.decide(make_telemetry(completions=2, tpot_ms=200.0))
+    assert decision.thresholds["standard"] == 0.0 and "no tpot evidence" in decision.reason
+    decision = policy.decide(make_telemetry(time_s=2.0, completions=5, tpot_ms=90.0))
+    assert decision.thresholds["standard"] == pytest.approx(0.25)

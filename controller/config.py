@@ -169,6 +169,14 @@ class FSDConfig(_Section):
                     f"replica.initial_thresholds.{name}: {t} outside the tier's bounds "
                     f"[{tier.min_threshold}, {tier.max_threshold}]"
                 )
+        from policies.registry import make_policy
+
+        for name, spec in (("control.policy", self.control.policy), ("control.shadow_policy", self.control.shadow_policy)):
+            if spec is not None or name == "control.policy":
+                try:
+                    make_policy(spec if spec is not None else {"policy": "pid"}, self.slo)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         return self
 
     @property
@@ -180,8 +188,12 @@ def format_validation_error(exc: ValidationError) -> str:
     """One line per error, each starting with the dotted path of the offending field."""
     lines = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"{path}: {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # whole-model checks already start their message with the field's path
+            lines.append(msg)
+            continue
+        path = ".".join(str(p) for p in err["loc"])
+        lines.append(f"{path}: {msg}")
     return "; ".join(lines)
 
 

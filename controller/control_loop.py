@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -74,6 +75,15 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _actor_name() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_actor_name()
+    except Exception:
+        return None
+
+
 def _decision_dict(decision: Decision | None) -> dict[str, Any] | None:
     if decision is None:
         return None
@@ -97,6 +107,8 @@ class FSDController:
         self._thresholds.update(clamp_thresholds(self._slo, self._cfg.replica.initial_thresholds))
         self._draft_length: int | None = None
         self._version = 0
+        # A restarted controller counts versions from 0 again; the epoch tells replicas it is a new one.
+        self._epoch = uuid.uuid4().hex
         self._interval = self._cfg.control.interval_s
         self._aggregator = TelemetryAggregator(self._slo)
         self._metrics = MetricsState()
@@ -153,7 +165,7 @@ class FSDController:
         try:
             response = self._replicas.broadcast(
                 "set_thresholds", dict(self._thresholds), self._version,
-                self._slo.model_dump(mode="json"), self._draft_length,
+                self._slo.model_dump(mode="json"), self._draft_length, self._epoch,
             )
             await response.results_async(timeout_s=self._cfg.control.stats_timeout_s, return_exceptions=True)
         except Exception as exc:
@@ -278,6 +290,8 @@ class FSDController:
         return {
             "thresholds": dict(self._thresholds),
             "version": self._version,
+            "epoch": self._epoch,
+            "actor_name": _actor_name(),
             "draft_length": self._draft_length,
             "interval_s": self._interval,
             "paused": self._paused,

@@ -46,6 +46,16 @@ def load_model_pair(cfg: FSDConfig) -> Any:
     return models.load_pair(cfg.model.pair, dtype=cfg.model.dtype, draft_dtype=cfg.model.draft_dtype)
 
 
+def _actor_name() -> str | None:
+    """This process's Ray actor name (tests and operators use it to find or kill a replica)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_actor_name()
+    except Exception:
+        return None
+
+
 class _Detokenizer:
     """Incremental text for a growing list of token ids.
 
@@ -118,6 +128,7 @@ class FSDReplica:
         self._controlled = safe_thresholds(self._slo)
         self._controlled.update(clamp_thresholds(self._slo, self._cfg.replica.initial_thresholds))
         self._version = -1
+        self._epoch: str | None = None
         self._started = time.monotonic()
         self._last_update: float | None = None
         self._failsafe = False
@@ -169,12 +180,15 @@ class FSDReplica:
         version: int,
         slo: Mapping[str, Any] | None = None,
         draft_length: int | None = None,
+        epoch: str | None = None,
     ) -> dict[str, Any]:
         """Apply the controller's decision. Idempotent: re-sending the same version only refreshes the
-        fail-safe clock; an older version is ignored (a delayed push must not undo a newer one)."""
+        fail-safe clock; an older version from the same controller ``epoch`` is ignored (a delayed push
+        must not undo a newer one). A new epoch (a restarted controller counts from 0 again) is accepted."""
         now = time.monotonic()
-        if version < self._version:
+        if epoch == self._epoch and version < self._version:
             return {"replica_id": self._replica_id, "applied": False, "version": self._version}
+        self._epoch = epoch
         self._last_update = now
         if slo is not None:
             self._slo = SLOSpec.model_validate(slo)
@@ -194,7 +208,7 @@ class FSDReplica:
         """Serve ``user_config``: ``{"thresholds": {tier: T}, "draft_length": k}`` (both optional)."""
         thresholds = user_config.get("thresholds") or {}
         draft_length = user_config.get("draft_length")
-        self.set_thresholds(thresholds, max(self._version, 0), None, draft_length)
+        self.set_thresholds(thresholds, max(self._version, 0), None, draft_length, self._epoch)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -325,6 +339,7 @@ class FSDReplica:
         snap = self._loop.snapshot(drain_records=drain)
         snap.update(
             replica_id=self._replica_id,
+            actor_name=_actor_name(),
             pid=os.getpid(),
             uptime_s=now - self._started,
             thresholds=self._effective(),

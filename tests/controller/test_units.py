@@ -1,0 +1,238 @@
+"""Controller pieces without Ray: config validation, telemetry aggregation, metrics, the batching loop."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.batching import BatchingLoop, TokenEvent
+from controller.config import FSDConfig, load_config, parse_config
+from controller.metrics import MetricsState
+from controller.telemetry_agg import TelemetryAggregator, request_met_slo
+from policies.slo import SLOSpec
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "controller" / "configs" / "example.yaml"
+
+# ---- config ------------------------------------------------------------------------------------
+
+
+def test_default_config_is_the_documented_service() -> None:
+    cfg = FSDConfig()
+    assert cfg.model.pair == "smollm2-135m"
+    assert cfg.http.host == "127.0.0.1" and cfg.http.port == 8000
+    assert cfg.slo == SLOSpec.default()
+
+
+def test_example_config_loads() -> None:
+    cfg = load_config(EXAMPLE)
+    assert cfg.control.policy is not None and cfg.control.shadow_policy is not None
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"control": {"interval_s": 0}}, "control.interval_s"),
+        ({"model": {"max_batch_size": 0}}, "model.max_batch_size"),
+        ({"serve": {"replicas": 2}}, "serve.replicas"),
+        ({"http": {"port": 70000}}, "http.port"),
+        ({"slo": {"tiers": {"a": {"tpot_ms": -1}}, "default_tier": "a"}}, "slo.tiers.a.tpot_ms"),
+        ({"replica": {"initial_thresholds": {"gold": 0.1}}}, "replica.initial_thresholds"),
+        ({"replica": {"initial_thresholds": {"standard": 5.0}}}, "replica.initial_thresholds.standard"),
+        ({"control": {"policy": {"policy": "pid", "kp": "x"}}}, "control.policy"),
+        ({"control": {"shadow_policy": {"policy": "nope"}}}, "control.shadow_policy"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_config_errors_name_the_field(data: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        parse_config(data)
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(bad)
+
+
+# ---- telemetry aggregation ---------------------------------------------------------------------
+
+
+def _report(rid: str, counters: dict[str, Any], records: list[dict[str, Any]] | None = None, **kw: Any) -> dict[str, Any]:
+    base = {"arrivals": 0, "completions": 0, "drafted": 0, "accepted": 0, "output_tokens": 0, "distortion": 0.0,
+            "row_iterations": 0, "per_tier": {}}
+    base.update(counters)
+    return {"replica_id": rid, "counters": base, "records": records or [], "queue_depth": kw.get("queue", 0),
+            "in_flight": kw.get("in_flight", 0), "draft_length": 4,
+            "thresholds": kw.get("thresholds", {"standard": 0.2, "economy": 0.5, "lossless": 0.0})}
+
+
+def _record(tier: str, tpot: float, e2e: float = 100.0) -> dict[str, Any]:
+    return {"tier": tier, "ttft_ms": 10.0, "tpot_ms": tpot, "e2e_ms": e2e, "output_tokens": 8,
+            "distortion": 0.0, "threshold": 0.2, "finish_reason": "length"}
+
+
+def test_window_counts_deltas_per_replica_and_new_replicas_fully() -> None:
+    agg = TelemetryAggregator(SLOSpec.default())
+    t = {"standard": 0.2}
+    w1 = agg.window([_report("a", {"drafted": 40, "accepted": 20, "output_tokens": 30, "row_iterations": 10})],
+                    now_s=1.0, window_s=1.0, age_s=0.0, thresholds=t)
+    assert w1.telemetry.acceptance_rate == pytest.approx(0.5)
+    assert w1.telemetry.mean_accepted_per_iter == pytest.approx(3.0)
+    w2 = agg.window(
+        [_report("a", {"drafted": 60, "accepted": 40, "output_tokens": 50, "row_iterations": 15}),
+         _report("b", {"drafted": 10, "accepted": 0, "output_tokens": 5, "row_iterations": 5})],
+        now_s=2.0, window_s=1.0, age_s=0.0, thresholds=t,
+    )
+    assert w2.deltas["drafted"] == 30 and w2.deltas["accepted"] == 20
+    assert w2.telemetry.acceptance_rate == pytest.approx(20 / 30)
+    assert w2.telemetry.output_tokens == 25 and w2.telemetry.replicas == 2
+    # Replica "a" restarted under the same id: its counters start over, counted from zero.
+    w3 = agg.window([_report("a", {"drafted": 8, "accepted": 4, "output_tokens": 6, "row_iterations": 2})],
+                    now_s=3.0, window_s=1.0, age_s=0.0, thresholds=t)
+    assert w3.deltas["drafted"] == 8
+
+
+def test_window_slo_met_and_latency_from_records() -> None:
+    slo = SLOSpec.default()  # standard: tpot <= 60 ms, economy: tpot <= 120 ms
+    agg = TelemetryAggregator(slo)
+    records = [_record("standard", 50.0), _record("standard", 70.0), _record("economy", 70.0),
+               _record("economy", 130.0), _record("economy", 20.0)]
+    w = agg.window([_report("a", {"completions": 5}, records)], now_s=1.0, window_s=2.0, age_s=0.1,
+                   thresholds={"standard": 0.2})
+    std, eco = w.telemetry.tiers["standard"], w.telemetry.tiers["economy"]
+    assert (std.completions, std.slo_met) == (2, 1)
+    assert (eco.completions, eco.slo_met) == (3, 2)
+    assert w.telemetry.tpot.count == 5
+    assert w.telemetry.tpot.p50_ms == pytest.approx(70.0)
+    assert w.telemetry.tiers["lossless"].completions == 0 and math.isnan(w.telemetry.tiers["lossless"].tpot.p95_ms)
+    assert w.telemetry.completions == 5 and w.telemetry.window_s == 2.0 and w.telemetry.age_s == 0.1
+    assert std.threshold == 0.2  # what the replicas report
+
+
+def test_request_met_slo_requires_every_target() -> None:
+    tier = SLOSpec.default().tiers["standard"].model_copy(update={"ttft_ms": 5.0})
+    assert not request_met_slo(_record("standard", 10.0), tier)  # ttft 10 > 5
+    assert request_met_slo({"ttft_ms": 1.0, "tpot_ms": None, "e2e_ms": 9.0}, tier)  # single-token: no TPOT
+
+
+def test_metrics_render_is_exact_prometheus() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    agg = TelemetryAggregator(SLOSpec.default())
+    state = MetricsState()
+    records = [_record("standard", 50.0, e2e=120.0), _record("standard", 70.0, e2e=2500.0)]
+    w = agg.window([_report("a", {"completions": 2, "output_tokens": 16}, records)], now_s=1.0, window_s=1.0,
+                   age_s=0.0, thresholds={"standard": 0.3})
+    state.update(w, {"standard": 0.3, "economy": 0.0, "lossless": 0.0})
+    fams = {f.name: f for f in text_string_to_metric_families(state.render().decode())}
+    assert {s.labels["tier"]: s.value for s in fams["fsd_threshold"].samples}["standard"] == 0.3
+    e2e = {(s.name, s.labels.get("le")): s.value for s in fams["fsd_e2e_seconds"].samples}
+    assert e2e[("fsd_e2e_seconds_bucket", "0.15")] == 1.0
+    assert e2e[("fsd_e2e_seconds_bucket", "3.0")] == 2.0
+    assert e2e[("fsd_e2e_seconds_count", None)] == 2.0
+    assert e2e[("fsd_e2e_seconds_sum", None)] == pytest.approx(2.62)
+    att = {s.labels["tier"]: s.value for s in fams["fsd_tier_slo_attainment"].samples}
+    assert att["standard"] == pytest.approx(0.5)
+
+
+# ---- the batching loop over the real engine (tiny pair) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    from decoder.engine import FSDEngine
+    from decoder.models import tiny_pair
+
+    return FSDEngine(tiny_pair(seed=0), num_draft_tokens=3, max_batch_size=2)
+
+
+def _collect(loop: BatchingLoop, rid: str, prompt: list[int], params: Any, tier: str = "standard",
+             override: float | None = None) -> queue.SimpleQueue[TokenEvent]:
+    q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+    loop.submit(rid, prompt, params, tier, override, q.put)
+    return q
+
+
+def _drain(q: queue.SimpleQueue[TokenEvent], timeout_s: float = 60.0) -> list[TokenEvent]:
+    events = []
+    while True:
+        event = q.get(timeout=timeout_s)
+        events.append(event)
+        if event.finished:
+            return events
+
+
+def test_batching_loop_counts_exactly_and_applies_tier_thresholds(engine: Any) -> None:
+    from decoder.engine import SamplingParams
+
+    loop = BatchingLoop(engine, {"standard": 0.7, "economy": 2.0})
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+        queues = {f"r{i}": _collect(loop, f"r{i}", [257, 104, 105 + i], params, tier)
+                  for i, tier in enumerate(["standard", "economy", "standard"])}
+        queues["pinned"] = _collect(loop, "pinned", [257, 120], params, "economy", override=0.1)
+        events = {rid: _drain(q) for rid, q in queues.items()}
+        snap = loop.snapshot(drain_records=True)
+    finally:
+        loop.stop()
+    for rid, evs in events.items():
+        assert evs[-1].finish_reason == "length" and evs[-1].error is None, rid
+        assert sum(len(e.new_token_ids) for e in evs) == 12, rid
+        steps = [e for e in evs if not e.finished]
+        expected = 0.1 if rid == "pinned" else (2.0 if rid == "r1" else 0.7)
+        assert all(e.threshold == expected for e in steps), (rid, [e.threshold for e in steps])
+    c = snap["counters"]
+    assert c["completions"] == 4 and c["output_tokens"] == 48 and c["arrivals"] == 4
+    assert c["drafted"] == sum(e.drafted for evs in events.values() for e in evs)
+    assert c["accepted"] == sum(e.accepted for evs in events.values() for e in evs)
+    assert len(snap["records"]) == 4 and snap["in_flight"] == 0
+    assert all(r["tpot_ms"] is not None and r["e2e_ms"] >= r["ttft_ms"] for r in snap["records"])
+    assert c["per_tier"]["economy"]["completions"] == 2
+
+
+def test_batching_loop_abort_and_live_threshold_change(engine: Any) -> None:
+    from decoder.engine import SamplingParams
+
+    loop = BatchingLoop(engine, {"standard": 0.0})
+    try:
+        long = SamplingParams(max_new_tokens=200, temperature=1.0, seed=1, eos_token_ids=())
+        q = _collect(loop, "long", [257, 100], long)
+        first = q.get(timeout=60)
+        assert first.threshold == 0.0
+        loop.set_tier_thresholds({"standard": 0.9})
+        seen = [q.get(timeout=60) for _ in range(3)]
+        assert seen[-1].threshold == 0.9, "a live T change reaches running requests within an iteration or two"
+        loop.abort("long")
+        events = _drain(q)
+        assert events[-1].finish_reason == "abort"
+        snap = loop.snapshot(drain_records=True)
+        assert snap["counters"]["aborted"] == 1 and snap["in_flight"] == 0 and snap["records"] == []
+    finally:
+        loop.stop()
+
+
+def test_batching_loop_reports_engine_rejections_without_dying(engine: Any) -> None:
+    from decoder.engine import SamplingParams
+
+    loop = BatchingLoop(engine, {"standard": 0.0})
+    try:
+        # Prompt + max_new_tokens beyond the tiny pair's 512-token context: the engine refuses it.
+        q = _collect(loop, "huge", [257] * 10, SamplingParams(max_new_tokens=600))
+        events = _drain(q)
+        assert events[-1].error is not None and "context" in events[-1].error
+        ok = _drain(_collect(loop, "ok", [257, 99], SamplingParams(max_new_tokens=4)))
+        assert ok[-1].finish_reason == "length"
+        assert loop.alive and threading.active_count() >= 1
+    finally:
+        loop.stop()

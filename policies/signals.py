@@ -16,9 +16,13 @@ from typing import Literal, get_args
 from policies.slo import TierSLO
 from policies.telemetry import LatencySummary, Telemetry, TierWindow
 
-#: Signals a latency-tracking policy can follow. ``queue_delay`` is the Little's-law estimate of the
-#: wait in queue (queue depth / completion rate), compared with the tier's TTFT target.
-ControlMetric = Literal["tpot", "ttft", "e2e", "queue_delay"]
+#: Signals a latency-tracking policy can follow. ``tpot``/``ttft``/``e2e`` are percentiles over the
+#: requests that *finished* in the window: exact, but sparse at low traffic and lagged by a request's
+#: lifetime. ``tpot_live`` is the mean time per output token of the sequences decoding *now*,
+#: ``1000 · (in_flight − queue_depth) / output_tokens_per_s`` (aggregate, every window, no lag; a mean,
+#: so pair it with a negative setpoint against a p95 target). ``queue_delay`` is the Little's-law wait
+#: in queue (queue depth / completion rate). Both compare with the tier's TPOT / TTFT target.
+ControlMetric = Literal["tpot", "ttft", "e2e", "queue_delay", "tpot_live"]
 CONTROL_METRICS: tuple[str, ...] = get_args(ControlMetric)
 
 LoadSignal = Literal["arrival_rate", "in_flight_per_replica", "queue_depth_per_replica"]
@@ -29,6 +33,8 @@ def metric_target_ms(tier: TierSLO, metric: ControlMetric) -> float | None:
     """The target in ms a signal is compared with (queue delay is held to the TTFT target)."""
     if metric == "queue_delay":
         return tier.ttft_ms
+    if metric == "tpot_live":
+        return tier.tpot_ms
     return tier.latency_target(metric)
 
 
@@ -47,11 +53,21 @@ def observed_latency_ms(
     """
     if metric == "queue_delay":
         return queue_delay_ms(telemetry)
+    if metric == "tpot_live":
+        return live_tpot_ms(telemetry)
     window = _tier_window(telemetry, tier_name)
     summary: LatencySummary = window.latency(metric) if window is not None else telemetry.latency(metric)
     if summary.count < max(1, min_samples):
         return math.nan
     return summary.at(tier.percentile)
+
+
+def live_tpot_ms(telemetry: Telemetry) -> float:
+    """Mean ms per output token of the sequences decoding in this window (NaN when none decoded)."""
+    decoding = telemetry.in_flight - telemetry.queue_depth
+    if decoding <= 0 or telemetry.output_tokens_per_s <= 0:
+        return math.nan
+    return 1000.0 * decoding / telemetry.output_tokens_per_s
 
 
 def queue_delay_ms(telemetry: Telemetry) -> float:

@@ -278,3 +278,18 @@ def test_policy_treats_windows_with_too_few_samples_as_no_evidence() -> None:
     assert decision.thresholds["standard"] == 0.0 and "no tpot evidence" in decision.reason
     decision = policy.decide(make_telemetry(time_s=2.0, completions=5, tpot_ms=90.0))
     assert decision.thresholds["standard"] == pytest.approx(0.25)
+
+
+def test_tpot_live_metric_reads_the_decoding_sequences_every_window() -> None:
+    policy = PIDPolicy(
+        make_slo(), tiers="standard", metric="tpot_live", kp=0.5, ki=0.0, deadband=0.0, max_rate=None
+    )
+    # 12 in flight, 2 queued → 10 decoding at 111.1 tokens/s → 90 ms per token vs 60 → slack +0.5.
+    decision = policy.decide(
+        make_telemetry(in_flight=12, queue_depth=2, output_tokens_per_s=1000 / 9, completions=0)
+    )
+    assert policy.last_slack["standard"] == pytest.approx(0.5)
+    assert decision.thresholds["standard"] == pytest.approx(0.25)
+    # Nothing decoding: no evidence, hold.
+    held = policy.decide(make_telemetry(time_s=2.0, in_flight=3, queue_depth=3, output_tokens_per_s=0.0))
+    assert held.thresholds["standard"] == pytest.approx(0.25) and "no tpot_live evidence" in held.reason

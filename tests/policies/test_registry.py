@@ -94,7 +94,7 @@ def test_guards_block_configures_the_wrappers() -> None:
         ({"policy": "pid", "kq": 0.5}, r"^pid\.kq: Extra inputs are not permitted"),
         (
             {"policy": "pid", "metric": "latency"},
-            r"^pid\.metric: Input should be 'tpot', 'ttft', 'e2e' or 'queue_delay'",
+            r"^pid\.metric: Input should be 'tpot', 'ttft', 'e2e', 'queue_delay' or 'tpot_live'",
         ),
         ({"policy": "pid", "tiers": ["gold"]}, r"^pid: unknown tier 'gold'"),
         ({"policy": "pid", "metric": "ttft"}, r"^pid\.metric: no unpinned tier has a target for 'ttft'"),

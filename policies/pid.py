@@ -153,8 +153,9 @@ class PIDPolicy:
 
     * ``tiers`` — tiers to control; None ⇒ every unpinned tier with a target for ``metric``.
       Unpinned tiers that are not controlled get their ``safe_threshold``; pinned tiers their pin.
-    * ``metric`` — ``tpot`` | ``ttft`` | ``e2e`` | ``queue_delay`` (Little's-law wait, held to the TTFT
-      target).
+    * ``metric`` — ``tpot`` | ``ttft`` | ``e2e`` (percentiles of finished requests), ``queue_delay``
+      (Little's-law wait, held to the TTFT target) or ``tpot_live`` (mean TPOT of the sequences decoding
+      now; dense and unlagged, pair it with a negative setpoint) — see :mod:`policies.signals`.
     * ``kp``, ``ki`` (1/s), ``kd`` (s), ``setpoint`` (target slack; −0.1 aims 10 % under the target).
     * ``deadband`` — slack within ±deadband of the setpoint holds T (no churn on noise).
     * ``max_rate`` — largest change of T per second, as a fraction of the tier's range.

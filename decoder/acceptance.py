@@ -87,7 +87,10 @@ RULES = ("reducible", "pure")
 
 def _kl(a: Tensor, b: Tensor) -> Tensor:
     """KL(a‖b) = Σ a log(a/b) over the last dim; 0·log 0 = 0, a > 0 with b = 0 gives +inf (never NaN)."""
-    return (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(dim=-1).clamp_min(0.0)
+    # where() rather than xlogy: the same result, several times faster on CPU. Where a = 0 the term is
+    # NaN or 0 and is discarded; where a > 0 and b = 0 it is +inf.
+    terms = a * (torch.log(a) - torch.log(b))
+    return torch.where(a > 0, terms, 0.0).sum(dim=-1).clamp_min(0.0)
 
 
 def divergence(
@@ -195,11 +198,9 @@ def _check_inputs(
         raise ValueError(f"draft_tokens must be [B, k] = {(batch, k)}, got {tuple(draft_tokens.shape)}")
     if draft_tokens.dtype.is_floating_point or draft_tokens.dtype == torch.bool:
         raise ValueError(f"draft_tokens must be integer token ids, got dtype {draft_tokens.dtype}")
-    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= vocab):
-        raise ValueError(
-            f"draft_tokens must lie in [0, {vocab}), got values in "
-            f"[{int(draft_tokens.min())}, {int(draft_tokens.max())}]"
-        )
+    low, high = (int(v) for v in torch.stack(draft_tokens.aminmax()).tolist())  # one host sync
+    if low < 0 or high >= vocab:
+        raise ValueError(f"draft_tokens must lie in [0, {vocab}), got values in [{low}, {high}]")
     return batch, k, vocab
 
 
@@ -271,9 +272,13 @@ def _verify_block_from_uniforms(
     next_token = torch.where(greedy_rows, p_j.argmax(dim=-1), sampled_next)
 
     fuzzy_accepted = emitted & fuzzy & ~standard_ok
-    tv = d if div == "tv" else divergence(p, q, "tv")
-    per_position = torch.where(g, (x != target_argmax).float(), tv)
-    distortion = torch.where(emitted & fuzzy, per_position, torch.zeros_like(per_position))
+    charged = emitted & fuzzy  # [B, k]
+    if div != "tv" and not bool(charged.any()):
+        distortion = torch.zeros_like(d)  # skip a pass over [B, k, V] in the common T = 0 case
+    else:
+        tv = d if div == "tv" else divergence(p, q, "tv")
+        per_position = torch.where(g, (x != target_argmax).float(), tv)
+        distortion = torch.where(charged, per_position, torch.zeros_like(per_position))
     return VerifyResult(
         num_accepted=num_accepted,
         next_token=next_token,

@@ -69,33 +69,61 @@ def sampling_probs(
     p_keep = _per_row(top_p, scores, "top_p").float()
     _check((p_keep > 0) & (p_keep <= 1), "top_p", top_p, "in (0, 1]")
 
-    scores = scores / torch.where(temp == 0, torch.ones_like(temp), temp)
-    # A row of all -inf would softmax to NaN; make it uniform instead.
-    all_masked = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    scores = torch.where(all_masked, torch.zeros_like(scores), scores)
+    if bool((temp != 1).any()):
+        scores = scores / torch.where(temp == 0, torch.ones_like(temp), temp)
+    # A row of all -inf would softmax to NaN; make it uniform instead (checked on the row max: one cheap pass).
+    all_masked = torch.isneginf(scores.amax(dim=-1, keepdim=True))
+    if bool(all_masked.any()):
+        scores = scores.masked_fill(all_masked, 0.0)
 
     vocab = scores.shape[-1]
     topk_on = (k > 0) & (k < vocab)
     topp_on = p_keep < 1
     if not (bool(topk_on.any()) or bool(topp_on.any())):
         return torch.softmax(scores, dim=-1)
-
     # Filters only mask scores to -inf and the result is one softmax, so a row without filtering is
-    # bit-identical to the plain softmax whatever else is in the batch. One descending sort serves both.
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-    kth_index = (k.clamp(min=1, max=vocab) - 1).long().expand(*scores.shape[:-1], 1)
-    kth_value = sorted_scores.gather(-1, kth_index)  # ties with the k-th value are kept, as in HF
-    neg_inf = torch.full_like(scores, -torch.inf)
-    scores = torch.where(~topk_on | (scores >= kth_value), scores, neg_inf)
-    if bool(topp_on.any()):
-        sorted_scores = torch.where(~topk_on | (sorted_scores >= kth_value), sorted_scores, neg_inf)
-        sorted_probs = torch.softmax(sorted_scores, dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum
-        remove_sorted = (mass_before >= p_keep) & topp_on
-        remove_sorted[..., 0] = False  # always keep the most probable token
-        remove = torch.zeros_like(remove_sorted).scatter_(-1, order, remove_sorted)
-        scores = scores.masked_fill(remove, -torch.inf)
-    return torch.softmax(scores, dim=-1)
+    # bit-identical to the plain softmax whatever else is in the batch.
+    return torch.softmax(_filter_scores(scores, k, topk_on, p_keep, topp_on), dim=-1)
+
+
+# Candidate count tried first for top-p; a full sort of a 50k-150k vocabulary per row is far slower than a
+# small top-k on CPU, and most nuclei are small. Grown geometrically until it covers every row's nucleus.
+_FIRST_CANDIDATES = 64
+
+
+def _filter_scores(
+    scores: Tensor,  # [..., V] float32, temperature applied
+    k: Tensor,  # broadcastable to scores[..., :1]: top-k per row
+    topk_on: Tensor,  # same shape as k, bool
+    p_keep: Tensor,  # broadcastable: top-p per row
+    topp_on: Tensor,  # same shape as p_keep, bool
+) -> Tensor:  # [..., V] scores with filtered-out tokens at -inf
+    vocab = scores.shape[-1]
+    neg_inf = torch.tensor(-torch.inf, device=scores.device)
+    any_topk = bool(topk_on.any())
+    need = int(k[topk_on].max()) if any_topk else 1
+    candidates = min(vocab, max(need, _FIRST_CANDIDATES if bool(topp_on.any()) else need))
+    while True:
+        # The `candidates` highest scores per row, sorted descending (topk's output is sorted).
+        values, indices = torch.topk(scores, candidates, dim=-1)
+        kth_index = (k.clamp(min=1, max=candidates) - 1).long().expand(*scores.shape[:-1], 1)
+        kth_value = values.gather(-1, kth_index)  # ties with the k-th value are kept, as in HF
+        if not bool(topp_on.any()):
+            return torch.where(~topk_on | (scores >= kth_value), scores, neg_inf)
+        masked = torch.where(~topk_on | (scores >= kth_value), scores, neg_inf) if any_topk else scores
+        log_norm = torch.logsumexp(masked, dim=-1, keepdim=True)
+        values = torch.where(~topk_on | (values >= kth_value), values, neg_inf)
+        sorted_probs = torch.exp(values - log_norm)  # the candidates' share of the top-k-filtered softmax
+        covered = (sorted_probs.sum(dim=-1, keepdim=True) >= p_keep) | ~topp_on
+        if candidates == vocab or bool(covered.all()):
+            break
+        candidates = min(vocab, candidates * 4)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum, descending order
+    keep_sorted = mass_before < p_keep
+    keep_sorted[..., 0] = True  # always keep the most probable token
+    # Tokens outside the candidates lie beyond the nucleus (the candidates already hold >= top_p mass).
+    kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, keep_sorted)
+    return torch.where(topp_on & ~kept, neg_inf, masked)
 
 
 def draw_uniforms(

@@ -46,6 +46,33 @@ def test_matches_hf_warper_chain(temperature: float, top_k: int, top_p: float) -
     assert ours.dtype == torch.float32
 
 
+@pytest.mark.parametrize(
+    ("scale", "top_k", "top_p"), [(0.05, 0, 0.95), (0.3, 0, 0.5), (0.05, 300, 0.9), (4.0, 0, 0.999), (0.05, 2000, 1.0)]
+)
+def test_large_vocab_nucleus_beyond_first_candidates_matches_hf(scale: float, top_k: int, top_p: float) -> None:
+    # Flat distributions over 5000 tokens: the nucleus holds thousands of tokens, so the candidate set must
+    # grow past its first size; sharp ones keep it small.
+    logits = torch.randn(6, 5000, generator=gen(21)) * scale
+    ours = sampling_probs(logits, 1.0, top_k, top_p)
+    expected = hf_probs(logits, 1.0, top_k, top_p)
+    # HF accumulates ascending and compares with 1 - top_p, we accumulate descending: at most the one token
+    # sitting on the nucleus boundary (cumulative mass == top_p up to rounding) may differ.
+    assert (((ours > 0) != (expected > 0)).sum(dim=-1) <= 1).all()
+    assert float(0.5 * (ours - expected).abs().sum(dim=-1).max()) < 1e-4
+    if scale < 0.1 and top_p < 1:
+        assert int((ours[0] > 0).sum()) > 64, "the case should need more than the first candidates"
+
+
+def test_mixed_rows_topk_only_topp_only_and_unfiltered() -> None:
+    logits = torch.randn(3, 2, 3000, generator=gen(22)) * 0.2
+    ks, ps = torch.tensor([100, 0, 0]), torch.tensor([1.0, 0.7, 1.0])
+    batched = sampling_probs(logits, 1.0, ks, ps)
+    for row in range(3):
+        expected = hf_probs(logits[row], 1.0, int(ks[row]), float(ps[row]))
+        torch.testing.assert_close(batched[row], expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(batched[2], torch.softmax(logits[2], -1)), "an unfiltered row is the plain softmax"
+
+
 def test_per_row_parameters_broadcast_over_block_positions() -> None:
     b, positions, v = 4, 3, 50
     logits = torch.randn(b, positions, v, generator=gen(2)) * 2

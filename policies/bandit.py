@@ -294,7 +294,7 @@ class BanditPolicy:
     def decide(self, telemetry: Telemetry) -> Decision:
         reward = self.reward(telemetry) if self._playing is not None else math.nan
         self.last_reward = reward
-        if self._playing is not None and math.isnan(reward):
+        if self._playing is not None and not math.isfinite(reward):  # no (or unusable) evidence
             bin_index, arm = self._playing
             decision = self._decision(arm, f"bandit: no evidence for tier {self.tier!r}, keep arm {arm}")
             self.last_decision = decision
@@ -306,7 +306,7 @@ class BanditPolicy:
         bin_index = self.context_bin(telemetry)
         arm = self.learners[bin_index].select()
         self._playing = (bin_index, arm)
-        credit = "" if math.isnan(reward) else f"reward {reward:+.3f}; "
+        credit = "" if not math.isfinite(reward) else f"reward {reward:+.3f}; "
         decision = self._decision(arm, f"bandit: {credit}context bin {bin_index}, arm {arm} {self.arms[arm]}")
         self.last_decision = decision
         return decision

@@ -248,3 +248,12 @@ def test_same_seed_same_choices_and_reset_replays() -> None:
     assert run(b, 1, schedule) == first
     a.reset()
     assert run(a, 1, schedule) == first
+
+
+def test_regression_infinite_distortion_is_not_credited_and_does_not_crash() -> None:
+    policy = BanditPolicy(make_slo(), arms=ARMS, seed=0)
+    first = policy.decide(make_telemetry(time_s=1.0)).thresholds["standard"]
+    broken = make_tier_window(completions=20, slo_met=20, mean_distortion=math.inf)
+    decision = policy.decide(make_telemetry(time_s=2.0, tiers={"standard": broken}))
+    assert decision.thresholds["standard"] == first
+    assert sum(int(learner.pulls.sum()) for learner in policy.learners) == 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from policies.base import Policy
@@ -11,7 +13,7 @@ from policies.feedforward import LinearLatencyModel, SpeedCurve
 from policies.guards import FailSafe
 from policies.pid import PIDPolicy
 from policies.registry import POLICY_NAMES, describe, make_policy
-from tests.policies.builders import make_slo, make_telemetry
+from tests.policies.builders import make_slo, make_telemetry, make_tier_window
 
 CURVE = [
     {"threshold": 0.0, "tokens_per_iteration": 3.0, "mean_distortion": 0.0},
@@ -130,3 +132,41 @@ def test_bad_config_raises_value_error_naming_the_field(spec: Any, message: str)
 def test_unknown_policy_name_lists_the_known_ones(spec: Any) -> None:
     with pytest.raises(ValueError, match=r"known policies: \['static', 'pid', 'bandit', 'feedforward'\]"):
         make_policy(spec, make_slo())
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_odd_telemetry_never_crashes_a_guarded_policy(name: str) -> None:
+    """Seeded fuzz: empty windows, NaN/inf latencies and distortion, time jumping back, stale reports."""
+    rng = np.random.default_rng(11)
+    slo = make_slo()
+    policy = make_policy(SPECS[name], slo)
+    odd = [0.0, 1.0, 59.0, 61.0, 1e9, math.inf, math.nan]
+    t = 0.0
+    for i in range(300):
+        t += float(rng.choice([1.0, 1.0, 1.0, 0.0, -5.0, 30.0]))
+        completions = int(rng.choice([0, 1, 2, 20]))
+        latency = float(rng.choice(odd))
+        tier = make_tier_window(
+            threshold=float(rng.uniform(0, 1)),
+            completions=completions,
+            slo_met=int(rng.integers(0, completions + 1)),
+            tpot_ms=latency,
+            mean_distortion=float(rng.choice([0.0, 0.1, 0.5, math.inf])),
+        )
+        telemetry = make_telemetry(
+            time_s=t,
+            completions=completions,
+            tpot_ms=latency,
+            in_flight=int(rng.integers(0, 50)),
+            queue_depth=int(rng.integers(0, 10)),
+            output_tokens_per_s=float(rng.choice([0.0, 50.0, 1e6])),
+            rejections=int(rng.integers(0, 5)),
+            age_s=float(rng.choice([0.0, 0.0, 10.0, math.nan])),
+            tiers={"standard": tier} if rng.random() < 0.7 else {},
+        )
+        decision = policy.decide(telemetry)
+        for tier_name, threshold in decision.thresholds.items():
+            bounds = slo.tiers[tier_name]
+            assert bounds.min_threshold <= threshold <= bounds.max_threshold, (
+                f"tick {i}: {tier_name}={threshold}"
+            )

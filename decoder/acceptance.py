@@ -59,9 +59,11 @@ Conditioned on the prefix, the token emitted at a block position is distributed 
 So the exact total-variation distance between what is emitted at position ``i`` and the target is
 ``TV(p_i, q_i) * 1[fuzzy_i]`` for sampled rows, and ``1[x_i != argmax p_i] * 1[fuzzy_i]`` for greedy rows
 (the TV between the emitted point mass and the target's greedy choice). ``VerifyResult.distortion``
-reports it for every emitted accepted position (recovered and bonus tokens are exact: 0). By the
-hybrid/coupling argument, the sequence-level TV between FSD's output and the target's is at most the
-expected sum of these per-position terms, so their running sum is the quality signal the controller uses.
+reports it for every emitted accepted position (recovered and bonus tokens are exact: 0). By the chain
+rule for total variation (a hybrid argument), the TV between the law of FSD's whole output sequence and
+the target's is at most ``E[sum over emitted positions of TV(emitted law, p | prefix)]``, the expectation
+taken over FSD's own outputs; the realised running sum of ``distortion`` is an unbiased estimate of that
+bound, and is the quality signal the controller uses.
 
 Randomness and the reference implementation
 -------------------------------------------

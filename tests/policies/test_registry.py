@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -45,6 +46,7 @@ def test_every_policy_builds_from_a_spec_and_decides(name: str) -> None:
         assert t == slo.tiers[tier].clamp(t), tier
     info = describe(policy)
     assert info["name"] == "failsafe" and info["last_decision"]["thresholds"] == dict(decision.thresholds)
+    json.dumps(info)  # status endpoints serve it as is
     node = info
     while "inner" in node:
         node = node["inner"]
@@ -61,6 +63,12 @@ def test_static_shorthand_and_json_string() -> None:
     assert decision.thresholds["standard"] == 0.25 and decision.thresholds["economy"] == 0.25
     policy = make_policy('{"policy": "pid", "kp": 0.4, "guards": false}', make_slo())
     assert isinstance(policy, PIDPolicy) and policy.kp == 0.4
+
+
+def test_bandit_arms_with_draft_length_from_json_lists() -> None:
+    policy = make_policy({"policy": "bandit", "arms": [[0.5, 3], [1.0, 5]], "guards": False}, make_slo())
+    decision = policy.decide(make_telemetry())
+    assert (decision.thresholds["standard"], decision.draft_length) in {(0.5, 3), (1.0, 5)}
 
 
 def test_feedforward_takes_curve_and_latency_from_the_caller() -> None:

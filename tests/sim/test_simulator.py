@@ -1,0 +1,189 @@
+"""End-to-end properties of the simulator (real simulator, real policies, fixed seeds)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from policies.slo import SLOSpec, TierSLO
+from policies.static import StaticPolicy
+from sim.autoscaler import AutoscalerConfig
+from sim.profile import Profile
+from sim.simulator import SimConfig
+
+from .conftest import exponential_profile, make_workload, run_sim, single_tier_slo
+
+
+def test_conservation_every_arrival_completes_or_is_rejected() -> None:
+    # Overloaded on purpose with a short queue, so both outcomes occur.
+    w = make_workload(duration_s=200.0, arrivals={"kind": "poisson", "rate": 3.0},
+                      output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.8, "max": 400})
+    res = run_sim(w, replicas=2, max_batch=4, max_queue=3, seed=3)
+    s, rec = res.summary, res.records
+    assert s["rejected"] > 0 and s["completed"] > 0
+    assert s["completed"] + s["rejected"] == s["requests"] and s["unfinished"] == 0
+    done = ~np.isnan(rec["completion_s"])
+    assert np.array_equal(done, ~rec["rejected"])
+    # Causality for every completed request: a <= s <= f <= c, and all its tokens were emitted.
+    a, st, f, c = (rec[k][done] for k in ("arrival_s", "start_s", "first_token_s", "completion_s"))
+    assert np.all(a <= st) and np.all(st < f) and np.all(f <= c)
+    assert s["output_tokens"] == int(rec["output_tokens"][done].sum())
+    assert np.all(rec["replica"][rec["rejected"]] == -1)
+
+
+def test_littles_law_on_a_steady_poisson_run() -> None:
+    """Time-average in-flight count sampled by the control ticks (the telemetry path) equals λ·W
+    from the request records, within 5 %."""
+    w = make_workload(duration_s=3000.0, arrivals={"kind": "poisson", "rate": 0.8},
+                      output_tokens={"kind": "lognormal", "median": 80, "sigma": 0.5, "max": 400})
+    res = run_sim(w, replicas=3, max_batch=8, seed=5, control_interval_s=1.0)
+    rec, ts = res.records, res.timeseries
+    t = np.asarray(ts["time_s"])
+    steady = (t > 200) & (t <= 2800)
+    L = float(np.mean(np.asarray(ts["in_flight"])[steady]))
+    arr = rec["arrival_s"]
+    inside = (arr > 200) & (arr <= 2800)
+    lam = inside.sum() / 2600.0
+    W = float(np.mean(rec["completion_s"][inside] - arr[inside]))
+    assert pytest.approx(lam * W, rel=0.05) == L, f"L={L:.3f}, λW={lam * W:.3f}"
+
+
+def test_mm1_mean_queue_wait_matches_theory() -> None:
+    """Batch 1, exponential service (mean 100 ms: μ = 10/s), Poisson λ = 5/s: Wq = ρ/(μ−λ) = 0.1 s."""
+    lam, mu = 5.0, 10.0
+    slo = single_tier_slo()
+    w = make_workload(duration_s=4000.0, arrivals={"kind": "poisson", "rate": lam},
+                      prompt_tokens={"kind": "fixed", "value": 10}, output_tokens={"kind": "fixed", "value": 2})
+    res = run_sim(w, StaticPolicy(slo, 0.0), slo=slo, profile=exponential_profile(1000.0 / mu),
+                  replicas=1, max_batch=1, max_queue=10**6, seed=11, control_interval_s=20.0)
+    rec = res.records
+    assert res.summary["completed"] == res.summary["requests"] > 15000
+    wait = rec["start_s"] - rec["arrival_s"]
+    expected = (lam / mu) / (mu - lam)
+    assert float(wait.mean()) == pytest.approx(expected, rel=0.05)
+    sojourn = rec["completion_s"] - rec["arrival_s"]
+    assert float(sojourn.mean()) == pytest.approx(1.0 / (mu - lam), rel=0.05)
+
+
+def test_same_seed_identical_different_seed_differs() -> None:
+    w = make_workload(duration_s=200.0, arrivals={"kind": "poisson", "rate": 0.8})
+    a = run_sim(w, seed=7)
+    b = run_sim(w, seed=7)
+    c = run_sim(w, seed=8)
+    assert a.summary == b.summary
+    assert a.timeseries == b.timeseries
+    assert np.array_equal(a.records["completion_s"], b.records["completion_s"], equal_nan=True)
+    assert a.summary != c.summary
+
+
+def test_acceptance_telemetry_matches_the_profile() -> None:
+    """Long outputs (little end-of-sequence clipping): the measured accepted drafts per sequence
+    per iteration match the profile's expectation at the T in force."""
+    profile = Profile.default()
+    slo = single_tier_slo(max_threshold=4.0)
+    w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.3},
+                      output_tokens={"kind": "fixed", "value": 600})
+    for threshold in (0.0, 1.0):
+        res = run_sim(w, StaticPolicy(slo, threshold), slo=slo, replicas=2, seed=2)
+        acc = np.asarray(res.timeseries["acceptance_rate"])
+        acc = acc[~np.isnan(acc)]
+        expected = profile.expected_acceptance_rate("kl", threshold, 4)
+        # Clipping at a sequence's last iteration biases this down by < 2 % at 600 tokens.
+        assert float(acc.mean()) == pytest.approx(expected, rel=0.03), threshold
+        if threshold == 0.0:
+            assert res.summary["mean_distortion"] == 0.0
+
+
+def test_higher_threshold_is_faster_and_distorts_more() -> None:
+    slo = single_tier_slo(max_threshold=4.0, tpot_ms=60.0)
+    w = make_workload(duration_s=400.0, arrivals={"kind": "poisson", "rate": 0.5},
+                      output_tokens={"kind": "fixed", "value": 150})
+    lo = run_sim(w, StaticPolicy(slo, 0.0), slo=slo, replicas=2, seed=4).summary
+    hi = run_sim(w, StaticPolicy(slo, 2.0), slo=slo, replicas=2, seed=4).summary
+    assert hi["tpot_ms"]["p50"] < lo["tpot_ms"]["p50"]
+    assert hi["slo_attainment"] > lo["slo_attainment"]
+    assert hi["mean_distortion"] > lo["mean_distortion"] == 0.0
+
+
+def test_lossless_tier_stays_at_zero_distortion() -> None:
+    slo = SLOSpec.default()
+    w = make_workload(duration_s=300.0, tier_mix={"lossless": 1, "economy": 1})
+    res = run_sim(w, StaticPolicy(slo, 3.0), slo=slo, seed=1)
+    tiers = res.summary["tiers"]
+    assert tiers["lossless"]["mean_distortion"] == 0.0
+    assert tiers["economy"]["mean_distortion"] > 0.0
+    assert all(v == 0.0 for v in res.timeseries["T_lossless"])
+    assert all(v == 3.0 for v in res.timeseries["T_economy"])
+
+
+def test_autoscaler_adds_replicas_under_load_and_costs_them() -> None:
+    w = make_workload(duration_s=600.0, arrivals={"kind": "step", "steps": [{"at_s": 0, "rate": 0.1},
+                                                                             {"at_s": 200, "rate": 1.5}]})
+    auto = AutoscalerConfig(min_replicas=1, max_replicas=6, target_ongoing_requests=4,
+                            upscale_delay_s=5, downscale_delay_s=60, startup_s=10)
+    res = run_sim(w, replicas=1, autoscaler=auto, seed=2)
+    reps = np.asarray(res.timeseries["replicas"])
+    t = np.asarray(res.timeseries["time_s"])
+    assert reps[t < 200].max() == 1
+    assert reps.max() > 1
+    first_up = t[np.argmax(reps > 1)]
+    assert first_up >= 200 + 5  # not before the upscale delay has passed
+    assert res.summary["replica_seconds"] > res.summary["simulated_until_s"]  # more than one replica's worth
+    fixed = run_sim(w, replicas=1, seed=2)
+    assert res.summary["slo_attainment"] > fixed.summary["slo_attainment"]
+
+
+def test_push_delay_and_ticks_are_regular() -> None:
+    res = run_sim(make_workload(duration_s=60.0), control_interval_s=2.0, push_delay_s=0.5, seed=1)
+    t = np.asarray(res.timeseries["time_s"])
+    assert np.allclose(np.diff(t), 2.0)
+    assert t[0] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"replicas": 0}, "replicas"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"routing": "random"}, "routing"),
+        ({"control_interval_s": 0}, "control_interval_s"),
+        ({"autoscaler": {"min_replicas": 3, "max_replicas": 2}}, "max_replicas"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_bad_sim_config_names_the_field(config, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SimConfig.from_dict(config)
+
+
+def test_unknown_div_or_k_in_config_names_it() -> None:
+    with pytest.raises(ValueError, match="div 'js'"):
+        run_sim(div="js")
+    with pytest.raises(ValueError, match="k=3"):
+        run_sim(k=3)
+
+
+def test_routing_modes_all_serve_everything() -> None:
+    w = make_workload(duration_s=200.0, arrivals={"kind": "poisson", "rate": 1.0})
+    for routing in ("power_of_two", "least_loaded", "round_robin"):
+        s = run_sim(w, replicas=3, routing=routing, seed=1).summary
+        assert s["completed"] == s["requests"], routing
+
+
+def test_drain_timeout_leaves_unfinished_requests_as_misses() -> None:
+    w = make_workload(duration_s=100.0, arrivals={"kind": "poisson", "rate": 2.0},
+                      output_tokens={"kind": "fixed", "value": 400})
+    s = run_sim(w, replicas=1, max_queue=1000, drain_timeout_s=10.0, seed=1).summary
+    assert s["unfinished"] > 0
+    assert s["completed"] + s["rejected"] + s["unfinished"] == s["requests"]
+    assert s["slo_attainment"] <= s["completed"] / s["requests"]
+    assert math.isfinite(s["replica_seconds"])
+
+
+def test_tpot_slo_per_request_definition() -> None:
+    slo = SLOSpec(tiers={"standard": TierSLO(tpot_ms=1e9, ttft_ms=1e9, e2e_ms=1e9)})
+    s = run_sim(make_workload(duration_s=100.0), StaticPolicy(slo, 0.0), slo=slo, seed=1).summary
+    assert s["slo_attainment"] == 1.0
+    tight = SLOSpec(tiers={"standard": TierSLO(tpot_ms=1.0)})
+    s = run_sim(make_workload(duration_s=100.0), StaticPolicy(tight, 0.0), slo=tight, seed=1).summary
+    assert s["slo_attainment"] == 0.0

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -47,6 +47,7 @@ class Provenance(BaseModel):
     date: str = ""
     source: Literal["hand-made from MEASURED.md", "calibrated"]
     notes: str = ""
+    command: str = Field("", description="command line that produced the profile (calibrated profiles)")
 
 
 class AcceptancePoint(BaseModel):
@@ -142,6 +143,11 @@ class Profile(BaseModel):
     default_k: int = Field(4, ge=1)
     acceptance: list[AcceptancePoint] = Field(..., min_length=1)
     latency: LatencyModel
+    calibration: dict[str, Any] | None = Field(
+        None,
+        description="raw measurements the acceptance and latency fields were fitted to, written by "
+        "`fsd calibrate` (typed and documented in controller/calibration.py); the simulator ignores it",
+    )
 
     @model_validator(mode="after")
     def _grid_is_consistent(self) -> Profile:

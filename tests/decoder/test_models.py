@@ -1,0 +1,304 @@
+"""Model pairs: the tiny test pair, tokenizer checks, pair loading and the real default pair."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoder.models import (
+    DEFAULT_PAIR,
+    SHIPPED_PAIRS,
+    ModelPair,
+    check_tokenizers_match,
+    is_int8_dynamic,
+    load_pair,
+    resolve_dtype,
+    tiny_pair,
+    tiny_tokenizer,
+)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict())
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _sd_acceptance(pair: ModelPair, seed: int) -> float:
+    """Mean 1 − TV(p, q) at temperature 1 over random contexts: standard SD's acceptance rate."""
+    generator = torch.Generator().manual_seed(seed)
+    contexts = torch.randint(0, 256, (8, 24), generator=generator)
+    with torch.inference_mode():
+        p = pair.target(contexts).logits.softmax(-1)
+        q = pair.draft(contexts).logits.softmax(-1)
+    return float(1 - 0.5 * (p - q).abs().sum(-1).mean())
+
+
+# ------------------------------------------------------------------------------------------------
+# tiny_pair
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tiny_pair_same_seed_gives_identical_weights() -> None:
+    a, b = tiny_pair(seed=3), tiny_pair(seed=3)
+    assert _same_weights(a.target, b.target)
+    assert _same_weights(a.draft, b.draft)
+
+
+def test_tiny_pair_different_seeds_differ() -> None:
+    a, b = tiny_pair(seed=0), tiny_pair(seed=1)
+    assert not _same_weights(a.target, b.target)
+    assert not _same_weights(a.draft, b.draft)
+
+
+def test_tiny_pair_leaves_global_rng_untouched() -> None:
+    before = torch.random.get_rng_state()
+    tiny_pair(seed=5)
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
+def test_tiny_pair_shapes_and_metadata() -> None:
+    pair = tiny_pair()
+    assert pair.target.config.vocab_size >= len(pair.tokenizer)
+    assert pair.draft.config.vocab_size == pair.target.config.vocab_size
+    assert pair.max_context == pair.target.config.max_position_embeddings == 512
+    im_end = pair.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    endoftext = pair.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert set(pair.eos_token_ids) == {im_end, endoftext}
+    assert pair.target.dtype == pair.draft.dtype == torch.float32
+    for model in (pair.target, pair.draft):
+        assert not model.training
+        assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_tiny_pair_draft_is_close_but_not_equal() -> None:
+    for seed in range(3):
+        pair = tiny_pair(seed=seed)
+        assert not _same_weights(pair.target, pair.draft)
+        acceptance = _sd_acceptance(pair, seed=100 + seed)
+        assert 0.3 < acceptance < 0.85, f"seed {seed}: acceptance {acceptance:.3f}"
+
+
+def test_tiny_pair_zero_noise_draft_equals_target() -> None:
+    pair = tiny_pair(seed=2, draft_noise=0.0)
+    assert _same_weights(pair.target, pair.draft)
+    assert _sd_acceptance(pair, seed=0) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_tiny_pair_draft_noise_controls_acceptance() -> None:
+    close = _sd_acceptance(tiny_pair(seed=0, draft_noise=0.05), seed=7)
+    far = _sd_acceptance(tiny_pair(seed=0, draft_noise=0.4), seed=7)
+    assert close > far
+
+
+def test_tiny_pair_rejects_vocab_smaller_than_tokenizer() -> None:
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        tiny_pair(vocab_size=100)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizer and prompts
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["hello", "héllo wörld 日本語 🙂", "  leading spaces\nand\ttabs  "])
+def test_tiny_tokenizer_round_trips_text(text: str) -> None:
+    pair = tiny_pair()
+    ids = pair.encode_prompt(text, chat=False)
+    assert ids == list(text.encode("utf-8"))  # one id per byte
+    assert pair.tokenizer.decode(ids) == text
+
+
+def test_encode_prompt_applies_chat_template() -> None:
+    pair = tiny_pair()
+    ids = pair.encode_prompt("hello")
+    assert pair.tokenizer.decode(ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    im_start = pair.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == im_start  # the special token is one id, not its spelled-out bytes
+
+
+def test_encode_prompt_messages_use_template_even_without_chat_flag() -> None:
+    pair = tiny_pair()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = pair.tokenizer.decode(pair.encode_prompt(messages, chat=False))
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_encode_prompt_plain_text_when_chat_off() -> None:
+    pair = tiny_pair()
+    assert pair.tokenizer.decode(pair.encode_prompt("hello", chat=False)) == "hello"
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_encode_prompt_rejects_empty(prompt: str | list[dict[str, str]]) -> None:
+    with pytest.raises(ValueError, match="empty prompt"):
+        tiny_pair().encode_prompt(prompt)
+
+
+def test_encode_prompt_rejects_malformed_message() -> None:
+    with pytest.raises(ValueError, match="message 0"):
+        tiny_pair().encode_prompt([{"role": "user"}])
+
+
+def test_check_tokenizers_match_accepts_identical() -> None:
+    check_tokenizers_match(tiny_tokenizer(), tiny_tokenizer())
+
+
+def test_check_tokenizers_match_names_both_vocab_sizes() -> None:
+    target_tok, draft_tok = tiny_tokenizer(), tiny_tokenizer()
+    draft_tok.add_special_tokens({"additional_special_tokens": ["<|fim_middle|>"]})
+    with pytest.raises(ValueError, match=r"target vocab size 259, draft vocab size 260"):
+        check_tokenizers_match(target_tok, draft_tok)
+
+
+def test_check_tokenizers_match_catches_same_size_different_ids() -> None:
+    target_tok, draft_tok = tiny_tokenizer(), tiny_tokenizer()
+    target_tok.add_tokens(["<a>"])
+    draft_tok.add_tokens(["<b>"])
+    with pytest.raises(ValueError, match=r"target vocab size 260, draft vocab size 260.*'<a>'.*'<b>'"):
+        check_tokenizers_match(target_tok, draft_tok)
+
+
+# ------------------------------------------------------------------------------------------------
+# load_pair: names, custom dirs, errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_unknown_pair_name_lists_known_names() -> None:
+    with pytest.raises(ValueError, match="unknown model pair 'gpt-5'.*smollm2-135m.*qwen2.5-coder-1.5b"):
+        load_pair("gpt-5")
+
+
+def test_shipped_pairs_include_default() -> None:
+    assert DEFAULT_PAIR == "smollm2-135m"
+    assert set(SHIPPED_PAIRS) == {"smollm2-135m", "qwen2.5-coder-1.5b"}
+
+
+def test_qwen_not_fetched_names_fetch_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSD_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="run: fsd models fetch qwen2.5-coder-1.5b"):
+        load_pair("qwen2.5-coder-1.5b")
+
+
+def test_resolve_dtype_names_bad_value() -> None:
+    assert resolve_dtype("bf16", torch.float32) is torch.bfloat16
+    assert resolve_dtype(None, torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="'fp8'"):
+        resolve_dtype("fp8", torch.float32)
+
+
+@pytest.fixture
+def tiny_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path, ModelPair]]:
+    """The tiny pair saved as two HF model dirs, as a user's custom pair would be."""
+    pair = tiny_pair(seed=4)
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    for model, path in ((pair.target, target_dir), (pair.draft, draft_dir)):
+        model.save_pretrained(path)
+        pair.tokenizer.save_pretrained(path)
+    yield target_dir, draft_dir, pair
+
+
+def test_load_custom_pair_from_dirs(tiny_dirs: tuple[Path, Path, ModelPair]) -> None:
+    target_dir, draft_dir, original = tiny_dirs
+    pair = load_pair((str(target_dir), str(draft_dir)))
+    assert _same_weights(pair.target, original.target)
+    assert _same_weights(pair.draft, original.draft)
+    assert pair.max_context == 512
+    assert pair.tokenizer.decode(pair.encode_prompt("hi")) == original.tokenizer.decode(
+        original.encode_prompt("hi")
+    )
+    assert set(pair.eos_token_ids) == set(original.eos_token_ids)
+
+
+def test_load_custom_pair_comma_string_with_int8_draft(tiny_dirs: tuple[Path, Path, ModelPair]) -> None:
+    target_dir, draft_dir, _ = tiny_dirs
+    pair = load_pair(f"{target_dir},{draft_dir}", dtype="bf16", draft_dtype="int8")
+    assert pair.target.dtype == torch.bfloat16
+    assert is_int8_dynamic(pair.draft)
+    assert not is_int8_dynamic(pair.target)
+
+
+def test_load_custom_pair_refuses_mismatched_tokenizers(tiny_dirs: tuple[Path, Path, ModelPair]) -> None:
+    target_dir, draft_dir, pair = tiny_dirs
+    other = tiny_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<|fim_middle|>"]})
+    other.save_pretrained(draft_dir)
+    with pytest.raises(ValueError, match="target vocab size 259, draft vocab size 260"):
+        load_pair((str(target_dir), str(draft_dir)))
+
+
+def test_load_custom_pair_missing_dir(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_pair((str(tmp_path / "nope"), str(tmp_path / "nope2")))
+
+
+# ------------------------------------------------------------------------------------------------
+# The real default pair (slow: one GGUF conversion + one cache load for the whole module)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_loads(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ModelPair, ModelPair]]:
+    """(pair converted from the GGUF, pair loaded back from the safetensors cache), private cache dir."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FSD_CACHE_DIR", str(tmp_path_factory.mktemp("fsd-cache")))
+        from_gguf = load_pair("smollm2-135m")
+        from_cache = load_pair("smollm2-135m")
+        yield from_gguf, from_cache
+
+
+@pytest.mark.slow
+def test_smollm2_pair_metadata(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+    pair, _ = smollm2_loads
+    assert pair.name == "smollm2-135m"
+    assert pair.max_context == 8192
+    assert len(pair.tokenizer) == 49152
+    assert pair.tokenizer.convert_tokens_to_ids("<|im_end|>") in pair.eos_token_ids
+    assert pair.target.dtype == torch.float32
+    assert pair.target.config.tie_word_embeddings
+
+
+@pytest.mark.slow
+def test_smollm2_draft_is_int8_dynamic_copy(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+    pair, _ = smollm2_loads
+    assert is_int8_dynamic(pair.draft)
+    assert not is_int8_dynamic(pair.target)
+    assert not pair.draft.training
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_next_token_is_sensible(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+    pair, _ = smollm2_loads
+    ids = torch.tensor([pair.encode_prompt("What is the capital of France? Answer in one word.")])
+    with torch.inference_mode():
+        target_logits = pair.target(ids).logits[0, -1]
+        draft_logits = pair.draft(ids).logits[0, -1]
+    assert torch.isfinite(target_logits).all() and torch.isfinite(draft_logits).all()
+    continuation = ids
+    with torch.inference_mode():
+        for _ in range(8):
+            next_id = pair.target(continuation).logits[0, -1].argmax()
+            continuation = torch.cat([continuation, next_id.view(1, 1)], dim=1)
+    assert "Paris" in pair.tokenizer.decode(continuation[0, ids.shape[1] :])
+
+
+@pytest.mark.slow
+def test_smollm2_cache_round_trip_gives_identical_logits(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+    from_gguf, from_cache = smollm2_loads
+    ids = torch.tensor([from_gguf.encode_prompt("Write a haiku about the sea.")])
+    assert ids.tolist() == [from_cache.encode_prompt("Write a haiku about the sea.")]
+    with torch.inference_mode():
+        assert torch.equal(from_gguf.target(ids).logits, from_cache.target(ids).logits)
+        assert torch.equal(from_gguf.draft(ids).logits, from_cache.draft(ids).logits)
+    # Tied embeddings stay tied after the safetensors round trip.
+    model = from_cache.target
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert from_cache.tokenizer.chat_template == from_gguf.tokenizer.chat_template

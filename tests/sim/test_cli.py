@@ -1,0 +1,110 @@
+"""`fsd sim` and `fsd sim compare` through the real CLI entry point."""
+
+import json
+
+import pytest
+
+from controller.cli import main
+
+WORKLOAD = """name: cli
+duration_s: 120
+arrivals: {kind: poisson, rate: 0.5}
+prompt_tokens: {kind: fixed, value: 100}
+output_tokens: {kind: fixed, value: 60}
+"""
+
+
+@pytest.fixture
+def workload(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text(WORKLOAD)
+    return path
+
+
+def test_sim_run_writes_json_plot_and_records(tmp_path, workload, capsys) -> None:
+    out, png, npz = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.npz"
+    rc = main(["sim", "--workload", str(workload), "--policy", "pid", "--seed", "3", "--json", str(out),
+               "--plot", str(png), "--records", str(npz), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    for key in ("slo_attainment", "goodput_rps", "ttft_ms", "tpot_ms", "e2e_ms", "mean_distortion",
+                "replica_seconds", "cost_per_1k_tokens", "completed", "rejected"):
+        assert key in s
+    assert s["completed"] + s["rejected"] == s["requests"]
+    assert len(data["timeseries"]["time_s"]) > 50
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert npz.stat().st_size > 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["summary"] == s
+
+
+def test_sim_same_seed_same_output(tmp_path, workload) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        assert main(["sim", "--workload", str(workload), "--seed", "5", "--json", str(path), "--quiet"]) == 0
+    assert json.loads(a.read_text()) == json.loads(b.read_text())
+
+
+def test_sim_compare_prints_a_table(tmp_path, workload, capsys) -> None:
+    out = tmp_path / "c.json"
+    png = tmp_path / "c.png"
+    rc = main(["sim", "compare", "--workload", str(workload), "--policies", "static:0,static:1.0,pid",
+               "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| policy |" in text and "| static:1.0 |" in text and "| pid |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["static:0", "static:1.0", "pid"]
+    assert rows[0]["mean_distortion"] == 0.0 < rows[1]["mean_distortion"]
+    assert png.exists()
+
+
+def test_policy_and_slo_from_files(tmp_path, workload) -> None:
+    pol = tmp_path / "p.yaml"
+    pol.write_text("policy: static\nthresholds: 0.75\n")
+    slo = tmp_path / "slo.yaml"
+    slo.write_text("tiers:\n  standard: {tpot_ms: 80}\ndefault_tier: standard\n")
+    out = tmp_path / "o.json"
+    assert main(["sim", "--workload", str(workload), "--policy", str(pol), "--slo", str(slo),
+                 "--json", str(out), "--quiet"]) == 0
+    ts = json.loads(out.read_text())["timeseries"]
+    assert set(ts["T_standard"]) == {0.75}
+
+
+def test_trace_flag(tmp_path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" +
+                     "".join(f"{i * 2.0},{100 + i},{20 + i}\n" for i in range(40)))
+    out = tmp_path / "o.json"
+    assert main(["sim", "--trace", str(trace), "--time-scale", "0.5", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests"] == 40
+    assert "Splitwise" in data["meta"]["attribution"]
+    assert any("time_scale=0.5" in n for n in data["meta"]["notes"])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--policy", "wobble"], "unknown policy"),
+        (["--policy", '{"policy": "pid", "kp": "high"}'], "pid.kp"),
+        (["--replicas", "0"], "replicas"),
+        (["--duration", "-5"], "duration_s"),
+    ],
+)
+def test_bad_inputs_exit_2_naming_the_field(workload, capsys, args, needle) -> None:
+    rc = main(["sim", "--workload", str(workload), "--quiet", *args])
+    assert rc == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_slo_and_profile_files_name_the_field(tmp_path, workload, capsys) -> None:
+    slo = tmp_path / "slo.yaml"
+    slo.write_text("tiers:\n  standard: {tpot_ms: -3}\n")
+    assert main(["sim", "--workload", str(workload), "--slo", str(slo), "--quiet"]) == 2
+    assert "tpot_ms" in capsys.readouterr().err
+    prof = tmp_path / "p.json"
+    prof.write_text('{"schema_version": 1}')
+    assert main(["sim", "--workload", str(workload), "--profile", str(prof), "--quiet"]) == 2
+    assert "provenance" in capsys.readouterr().err

@@ -1,0 +1,323 @@
+"""Load benchmark: static T=0, static T=ceiling and the SLO policy under the same step load.
+
+Starts the service locally (loopback only), then for each configuration replays the same open-loop
+arrival sequence (Poisson or gamma inter-arrival times; a step load: low rate, high rate, low rate) of
+streaming chat requests, recording per request TTFT (first content chunk), TPOT ((last − first chunk) /
+(tokens − 1)), E2E, status and the ``fsd`` summary, and sampling T per tier from ``/v1/fsd/status``.
+Configurations switch through the admin API on the same deployment (no reload between them).
+
+Prints a JSON report (and writes it to ``--out``) and a PNG (T and rolling p95 TPOT over time per
+configuration). Smoke run (tiny random pair, ~1 minute)::
+
+    .venv/bin/python benchmarks/load.py --pair tiny --phase-s 6 --rates 2,12 --out results/load_smoke.json
+
+Real figures (default pair; minutes)::
+
+    .venv/bin/python benchmarks/load.py --pair smollm2-135m --phase-s 60 --rates 0.5,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = (
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about distributed systems.",
+    "List three uses of a hash map.",
+    "What is speculative decoding?",
+    "Give a short recipe for pancakes.",
+    "Summarise the plot of Hamlet in one paragraph.",
+    "Describe a binary search in plain words.",
+    "Name four planets and one fact about each.",
+)
+
+
+def arrivals(rates: list[float], phase_s: float, process: str, cv: float, rng: np.random.Generator,
+             max_requests: int) -> list[float]:
+    """Arrival times (s from start) for a step load: one phase of ``phase_s`` per rate, then the first
+    rate again (low → high → low for two rates)."""
+    schedule = [*rates, rates[0]] if len(rates) > 1 else rates
+    out: list[float] = []
+    for i, rate in enumerate(schedule):
+        start, end = i * phase_s, (i + 1) * phase_s
+        t = start
+        while True:
+            if process == "poisson":
+                gap = rng.exponential(1.0 / rate)
+            else:  # gamma with the given coefficient of variation: shape 1/cv², mean 1/rate
+                shape = 1.0 / (cv * cv)
+                gap = rng.gamma(shape, 1.0 / (rate * shape))
+            t += gap
+            if t >= end:
+                break
+            out.append(t)
+            if len(out) >= max_requests:
+                return out
+    return out
+
+
+async def one_request(client: Any, t_start: float, at: float, i: int, args: argparse.Namespace) -> dict[str, Any]:
+    await asyncio.sleep(max(0.0, t_start + at - time.monotonic()))
+    body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "seed": i, "stream": True, "fsd": {"tier": args.tier}}
+    sent = time.monotonic()
+    rec: dict[str, Any] = {"i": i, "arrival_s": sent - t_start, "status": None}
+    first = last = None
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["status"] = chunk["error"].get("code", 500)
+                    continue
+                now = time.monotonic()
+                if chunk["choices"][0]["delta"].get("content"):
+                    first = first or now
+                    last = now
+                if "usage" in chunk:
+                    rec["tokens"] = chunk["usage"]["completion_tokens"]
+                    rec["fsd"] = chunk["fsd"]
+    except Exception as exc:  # recorded, not hidden
+        rec["status"] = type(exc).__name__
+        return rec
+    done = time.monotonic()
+    rec["e2e_ms"] = (done - sent) * 1e3
+    if first is not None:
+        rec["ttft_ms"] = (first - sent) * 1e3
+        n = rec.get("tokens", 0)
+        rec["tpot_ms"] = (last - first) * 1e3 / (n - 1) if n and n > 1 and last is not None else None
+    return rec
+
+
+async def run_config(url: str, name: str, times: list[float], args: argparse.Namespace, token: str) -> dict[str, Any]:
+    import httpx
+
+    auth = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout),
+                                 limits=httpx.Limits(max_connections=512)) as client:
+        spec = policy_spec(name, args)
+        r = await client.put("/v1/fsd/policy", json=spec, headers=auth)
+        r.raise_for_status()
+        # Let the policy switch land and the previous configuration's queue drain.
+        for _ in range(int(30 / args.interval)):
+            st = (await client.get("/v1/fsd/status", params={"history": 0})).json()
+            tel = st.get("telemetry") or {}
+            if tel.get("in_flight", 0) == 0:
+                break
+            await asyncio.sleep(args.interval)
+        await asyncio.sleep(3 * args.interval)
+        t_start = time.monotonic()
+        samples: list[dict[str, Any]] = []
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            while not done.is_set():
+                try:
+                    st = (await client.get("/v1/fsd/status", params={"history": 0})).json()
+                    samples.append({"t_s": time.monotonic() - t_start, "thresholds": st["thresholds"]})
+                except Exception:
+                    pass
+                await asyncio.sleep(args.interval)
+
+        sampler = asyncio.create_task(sample())
+        records = await asyncio.gather(*(one_request(client, t_start, at, i, args) for i, at in enumerate(times)))
+        done.set()
+        await sampler
+    return {"name": name, "spec": spec, "records": list(records), "t_samples": samples}
+
+
+def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    if name == "static0":
+        return {"policy": "static", "thresholds": 0.0, "guards": False}
+    if name == "ceiling":
+        return {"policy": "static", "thresholds": {args.tier: args.ceiling}, "guards": False}
+    if name == "slo":
+        return json.loads(args.slo_policy)
+    raise ValueError(f"unknown configuration {name!r}; expected static0, ceiling or slo")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarise(run: dict[str, Any], tpot_target: float | None, duration_s: float) -> dict[str, Any]:
+    recs = run["records"]
+    ok = [r for r in recs if r["status"] == 200 and "e2e_ms" in r]
+    out: dict[str, Any] = {"name": run["name"], "spec": run["spec"], "requests": len(recs), "ok": len(ok),
+                           "rejected_503": sum(1 for r in recs if r["status"] == 503),
+                           "errors": sum(1 for r in recs if r["status"] not in (200, 503))}
+    for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        vals = [r[metric] for r in ok if r.get(metric) is not None]
+        out[metric] = {f"p{q}": percentile(vals, q) for q in (50, 95, 99)}
+    tokens = sum(r.get("tokens", 0) for r in ok)
+    distortion = sum(r["fsd"]["distortion"] for r in ok if r.get("fsd"))
+    out["output_tokens"] = tokens
+    out["mean_distortion_per_token"] = distortion / tokens if tokens else None
+    acc = [r["fsd"]["acceptance_rate"] for r in ok if r.get("fsd") and r["fsd"]["acceptance_rate"] is not None]
+    out["mean_acceptance_rate"] = float(np.mean(acc)) if acc else None
+    if tpot_target is not None:
+        met = [r for r in ok if r.get("tpot_ms") is None or r["tpot_ms"] <= tpot_target]
+        out["tpot_target_ms"] = tpot_target
+        out["slo_attainment"] = len(met) / len(recs) if recs else None  # rejections and errors count as misses
+        out["goodput_rps"] = len(met) / duration_s
+    ts = [s["thresholds"].get(run.get("tier", "standard"), 0.0) for s in run["t_samples"]]
+    out["threshold"] = {"min": min(ts, default=None), "max": max(ts, default=None),
+                        "mean": float(np.mean(ts)) if ts else None}
+    return out
+
+
+def rolling_p95(records: list[dict[str, Any]], metric: str, window_s: float, end_s: float) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    pts = sorted((r["arrival_s"] + r["e2e_ms"] / 1e3, r[metric]) for r in records
+                 if r["status"] == 200 and r.get(metric) is not None)
+    t = window_s
+    while t <= end_s + window_s:
+        vals = [v for (done, v) in pts if t - window_s < done <= t]
+        if vals:
+            xs.append(t)
+            ys.append(float(np.percentile(vals, 95)))
+        t += window_s / 4
+    return xs, ys
+
+
+def plot(runs: list[dict[str, Any]], tier: str, tpot_target: float | None, phase_s: float, rates: list[float],
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end = phase_s * (len(rates) + (1 if len(rates) > 1 else 0))
+    fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for run in runs:
+        ax_t.step([s["t_s"] for s in run["t_samples"]], [s["thresholds"].get(tier, 0.0) for s in run["t_samples"]],
+                  where="post", label=run["name"])
+        xs, ys = rolling_p95(run["records"], "tpot_ms", max(2.0, phase_s / 6), end)
+        ax_l.plot(xs, ys, marker=".", label=run["name"])
+    if tpot_target is not None:
+        ax_l.axhline(tpot_target, color="k", ls="--", lw=1, label=f"SLO p95 TPOT {tpot_target:g} ms")
+    for i in range(1, len(rates) + (1 if len(rates) > 1 else 0)):
+        for ax in (ax_t, ax_l):
+            ax.axvline(i * phase_s, color="grey", lw=0.5)
+    ax_t.set_ylabel(f"T ({tier})")
+    ax_l.set_ylabel("rolling p95 TPOT (ms)")
+    ax_l.set_xlabel("time (s); step load " + " → ".join(f"{r:g}" for r in [*rates, rates[0]][: len(rates) + 1])
+                    + " req/s")
+    ax_t.legend()
+    ax_l.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", default="smollm2-135m")
+    p.add_argument("--rates", default="0.5,3", help="step load, req/s per phase (low,high → low,high,low)")
+    p.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival coefficient of variation")
+    p.add_argument("--max-requests", type=int, default=2000, help="hard bound on requests per configuration")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--tier", default="standard")
+    p.add_argument("--tpot-ms", type=float, default=None, help="override the tier's p95 TPOT target")
+    p.add_argument("--ceiling", type=float, default=None, help="T for the 'ceiling' config (default: tier max)")
+    p.add_argument("--configs", default="static0,ceiling,slo")
+    p.add_argument("--slo-policy", default='{"policy": "pid"}', help="JSON policy spec for the 'slo' config")
+    p.add_argument("--interval", type=float, default=None, help="control interval (default 1s, 0.5s tiny)")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replica-cpus", type=float, default=1.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/load.json")
+    p.add_argument("--png", default=None, help="default: --out with .png")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+    from controller.config import parse_config
+    from controller.runtime import Service
+
+    rates = [float(x) for x in args.rates.split(",")]
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise SystemExit(f"--rates must be positive numbers, got {args.rates!r}")
+    tiny = args.pair == "tiny"
+    args.interval = args.interval or (0.5 if tiny else 1.0)
+    slo: dict[str, Any] = {
+        "tiers": {"lossless": {"fixed_threshold": 0.0, "max_threshold": 0.0},
+                  "standard": {"tpot_ms": 8.0 if tiny else 60.0, "max_mean_distortion": 0.5 if tiny else 0.15,
+                               "max_threshold": 1.0},
+                  "economy": {"tpot_ms": 15.0 if tiny else 120.0, "max_mean_distortion": 0.8 if tiny else 0.35,
+                              "max_threshold": 4.0}},
+        "default_tier": "standard",
+    }
+    if args.tpot_ms is not None:
+        slo["tiers"][args.tier]["tpot_ms"] = args.tpot_ms
+    if args.tier not in slo["tiers"]:
+        raise SystemExit(f"--tier must be one of {sorted(slo['tiers'])}")
+    args.ceiling = args.ceiling if args.ceiling is not None else slo["tiers"][args.tier]["max_threshold"]
+    tpot_target = slo["tiers"][args.tier].get("tpot_ms")
+    token = "load-bench"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = parse_config({
+        "model": {"pair": args.pair}, "slo": slo, "control": {"interval_s": args.interval},
+        "serve": {"num_replicas": args.replicas, "replica_num_cpus": args.replica_cpus,
+                  "max_ongoing_requests": 64, "max_queued_requests": 256},
+        "replica": {"max_queued": 64, "stale_after_s": max(10.0, 5 * args.interval)},
+        "http": {"port": port, "admin_token": token, "request_timeout_s": args.request_timeout},
+    })
+    times = arrivals(rates, args.phase_s, args.arrival, args.cv, np.random.default_rng(args.seed), args.max_requests)
+    duration = args.phase_s * (len(rates) + (1 if len(rates) > 1 else 0))
+    runs = []
+    service = Service(cfg, quiet=True)
+    try:
+        url = service.start()
+        for name in args.configs.split(","):
+            print(f"load: {name}: {len(times)} requests over {duration:.0f}s", file=sys.stderr, flush=True)
+            run = asyncio.run(run_config(url, name, times, args, token))
+            run["tier"] = args.tier
+            runs.append(run)
+    finally:
+        service.stop()
+    report = {
+        "benchmark": "load", "pair": args.pair, "tier": args.tier, "rates_rps": rates, "phase_s": args.phase_s,
+        "arrival": args.arrival, "cv": args.cv if args.arrival == "gamma" else None, "seed": args.seed,
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "interval_s": args.interval,
+        "replicas": args.replicas, "slo": slo, "command": " ".join([sys.executable, *sys.argv]),
+        "configs": [summarise(r, tpot_target, duration) for r in runs],
+        "runs": [{k: r[k] for k in ("name", "records", "t_samples")} for r in runs],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    png = Path(args.png) if args.png else out.with_suffix(".png")
+    plot(runs, args.tier, tpot_target, args.phase_s, rates, png)
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+    print(f"load: wrote {out} and {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

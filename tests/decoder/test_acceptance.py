@@ -24,7 +24,7 @@ from decoder.sampling import draw_uniforms, sample
 
 ALPHA = 1e-3  # significance level of the goodness-of-fit tests (seeds are fixed, so results are deterministic)
 POWER_ALPHA = 1e-6  # a wrong distribution must be rejected far more strongly than that
-DRAWS = 200_000
+DRAWS = 120_000
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,12 +26,13 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,7 +212,7 @@ def convert_gguf(
     progress(f"loading {gguf_path.name} (dequantizing; this takes a while) ...")
     model, tokenizer = _load_hf(str(gguf_path), load_dtype)
     progress(f"  loaded in {time.perf_counter() - started:.1f} s; writing safetensors to {out_dir}")
-    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     try:
@@ -246,14 +247,35 @@ def _cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 def load_smollm2(dtype: torch.dtype, progress: Progress = _stderr) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct from the safetensors cache, converting the packaged GGUF on first use."""
     out_dir = converted_dir("smollm2-135m", "target")
-    if is_converted(out_dir):
-        return _load_hf(str(out_dir), dtype)
-    gguf = smollm2_gguf_path()
-    # fp32 on disk: the dequantized Q4_1 weights are exact in fp32, and the file is only ~0.5 GB.
-    model, tokenizer = convert_gguf(
-        gguf, out_dir, load_dtype=torch.float32, save_dtype=torch.float32, progress=progress
-    )
-    return model.to(dtype), tokenizer
+    if not is_converted(out_dir):
+        gguf = smollm2_gguf_path()
+        with conversion_lock(out_dir):
+            if not is_converted(out_dir):  # another process may have converted it while we waited
+                # fp32 on disk: the dequantized Q4_1 weights are exact in fp32, and it is only ~0.5 GB.
+                model, tokenizer = convert_gguf(
+                    gguf, out_dir, load_dtype=torch.float32, save_dtype=torch.float32, progress=progress
+                )
+                return model.to(dtype), tokenizer
+    return _load_hf(str(out_dir), dtype)
+
+
+@contextlib.contextmanager
+def conversion_lock(out_dir: Path) -> Iterator[None]:
+    """Exclusive inter-process lock for building ``out_dir``.
+
+    Several replicas (or test workers) may load the same pair for the first time at once; without
+    the lock they would all convert, and clobber each other's partial output.
+    """
+    import fcntl
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out_dir.with_name(out_dir.name + ".lock")
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,24 +294,25 @@ def fetch_pair(name: str, progress: Progress = _stderr) -> PairStatus:
         return pair_status(name)
     for chunk in CHUNKED_SOURCES[name]:
         out_dir = converted_dir(name, chunk.role)
-        if is_converted(out_dir):
-            progress(f"{name} {chunk.role}: already fetched at {out_dir}")
-            continue
-        gguf = _assemble_chunked_gguf(name, chunk, progress)
-        model, _ = convert_gguf(
-            gguf,
-            out_dir,
-            load_dtype=chunk.save_dtype,
-            save_dtype=chunk.save_dtype,
-            source_sha256=chunk.sha256,
-            progress=progress,
-        )
-        del model
-        # The safetensors dir now holds everything we need; the wheels and GGUF are ~1-2x its size.
-        shutil.rmtree(download_dir(name, chunk.role), ignore_errors=True)
-        with contextlib.suppress(OSError):  # only succeeds once every role's downloads are gone
-            download_dir(name, chunk.role).parent.rmdir()
-        progress(f"{name} {chunk.role}: removed intermediate downloads")
+        with conversion_lock(out_dir):
+            if is_converted(out_dir):
+                progress(f"{name} {chunk.role}: already fetched at {out_dir}")
+                continue
+            gguf = _assemble_chunked_gguf(name, chunk, progress)
+            model, _ = convert_gguf(
+                gguf,
+                out_dir,
+                load_dtype=chunk.save_dtype,
+                save_dtype=chunk.save_dtype,
+                source_sha256=chunk.sha256,
+                progress=progress,
+            )
+            del model
+            # The safetensors dir now holds everything we need; wheels + GGUF are ~2x its size again.
+            shutil.rmtree(download_dir(name, chunk.role), ignore_errors=True)
+            with contextlib.suppress(OSError):  # only succeeds once every role's downloads are gone
+                download_dir(name, chunk.role).parent.rmdir()
+            progress(f"{name} {chunk.role}: removed intermediate downloads")
     return pair_status(name)
 
 

@@ -120,7 +120,7 @@ def _filter_scores(
         candidates = min(vocab, candidates * 4)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum, descending order
     keep_sorted = mass_before < p_keep
-    keep_sorted[..., 0] = True  # always keep the most probable token
+    keep_sorted[..., 0] = True  # the most probable token is always kept (implied by top_p > 0; made explicit)
     # Tokens outside the candidates lie beyond the nucleus (the candidates already hold >= top_p mass).
     kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, keep_sorted)
     return torch.where(topp_on & ~kept, neg_inf, masked)

@@ -155,6 +155,8 @@ def test_inverse_cdf_edges() -> None:
     weights = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
     uniforms = torch.tensor([0.0, 1.0 - 2**-24, 0.999999])
     assert sample_from_uniforms(weights, uniforms).tolist() == [1, 2, 0]
+    # u = 1 (outside torch.rand's range, but a caller may pass it) still lands on a token with mass
+    assert sample_from_uniforms(weights, torch.ones(3)).tolist() == [2, 2, 0]
     # the boundary between tokens is at the cumulative mass
     w = torch.tensor([0.25, 0.75]).expand(2, 2)
     assert sample_from_uniforms(w, torch.tensor([0.2499, 0.25])).tolist() == [0, 1]

@@ -475,6 +475,7 @@ def load_pair(
     started = time.perf_counter()
     target_dtype = resolve_dtype(dtype, spec.target_dtype)
     wanted_draft = spec.draft_dtype if draft_dtype is None else draft_dtype
+    _check_draft_dtype(wanted_draft)  # fail before tens of seconds of loading, not after
     if spec.name == "smollm2-135m":
         # The draft is derived from the target's fp32 weights, so load fp32 and cast afterwards.
         base, tokenizer = model_fetch.load_smollm2(torch.float32)
@@ -490,6 +491,17 @@ def load_pair(
     pair = _assemble(spec.name, target, draft, tokenizer, spec.description)
     logger.info("loaded pair %s in %.1f s", spec.name, time.perf_counter() - started)
     return pair
+
+
+def _check_draft_dtype(draft_dtype: DTypeLike) -> None:
+    if _is_int8(draft_dtype):
+        return
+    try:
+        resolve_dtype(draft_dtype, torch.float32)
+    except ValueError:
+        raise ValueError(
+            f"unknown draft dtype {draft_dtype!r}; use {INT8_DYNAMIC!r} (dynamic int8) or one of {sorted(_DTYPE_NAMES)}"
+        ) from None
 
 
 def _make_draft(model: PreTrainedModel, draft_dtype: DTypeLike, *, copy_of: bool) -> PreTrainedModel:
@@ -562,6 +574,7 @@ def _load_custom_pair(target_src: str, draft_src: str, *, dtype: DTypeLike, draf
         raise ValueError(f"expected 'target,draft', got target {target_src!r} and draft {draft_src!r}")
     started = time.perf_counter()
     target_dtype = resolve_dtype(dtype, torch.float32)
+    _check_draft_dtype(draft_dtype)
     draft_float = torch.float32 if _is_int8(draft_dtype) else resolve_dtype(draft_dtype, target_dtype)
     target, tokenizer = _load_hf(target_src, target_dtype)
     draft_model, draft_tok = _load_hf(draft_src, draft_float)

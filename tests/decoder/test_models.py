@@ -195,6 +195,15 @@ def test_resolve_dtype_names_bad_value() -> None:
         resolve_dtype("fp8", torch.float32)
 
 
+def test_bad_draft_dtype_fails_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An empty cache: had it tried to load first, the error would be about the missing model instead.
+    monkeypatch.setenv("FSD_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown draft dtype 'int4'"):
+        load_pair("qwen2.5-coder-1.5b", draft_dtype="int4")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        load_pair("qwen2.5-coder-1.5b", dtype="fp8")
+
+
 @pytest.fixture
 def tiny_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path, ModelPair]]:
     """The tiny pair saved as two HF model dirs, as a user's custom pair would be."""

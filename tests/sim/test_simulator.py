@@ -187,3 +187,40 @@ def test_tpot_slo_per_request_definition() -> None:
     tight = SLOSpec(tiers={"standard": TierSLO(tpot_ms=1.0)})
     s = run_sim(make_workload(duration_s=100.0), StaticPolicy(tight, 0.0), slo=tight, seed=1).summary
     assert s["slo_attainment"] == 0.0
+
+
+def test_stale_telemetry_trips_the_fail_safe_to_lossless() -> None:
+    from policies.registry import make_policy
+
+    slo = SLOSpec.default()
+    w = make_workload(duration_s=120.0, arrivals={"kind": "poisson", "rate": 1.0})
+    fresh = run_sim(w, make_policy("static:1.0", slo), slo=slo, seed=1)
+    stale = run_sim(w, make_policy("static:1.0", slo), slo=slo, seed=1, telemetry_age_s=30.0)
+    assert set(fresh.timeseries["T_standard"]) == {1.0}
+    assert set(stale.timeseries["T_standard"]) == {0.0}
+    assert stale.summary["mean_distortion"] == 0.0 < fresh.summary["mean_distortion"]
+
+
+class _WantsReplicas:
+    """A minimal Policy: fixed T, asks for a replica count (Decision.replicas)."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+
+    def decide(self, telemetry):
+        from policies.decision import Decision
+
+        return Decision(thresholds={"standard": 0.5}, replicas=self.replicas)
+
+    def reset(self) -> None:
+        pass
+
+
+def test_policy_replica_requests_are_honoured_only_when_enabled() -> None:
+    auto = AutoscalerConfig(min_replicas=1, max_replicas=5, upscale_delay_s=0, downscale_delay_s=0, startup_s=3)
+    w = make_workload(duration_s=60.0, arrivals={"kind": "poisson", "rate": 0.2})
+    honoured = run_sim(w, _WantsReplicas(4), replicas=1, autoscaler=auto, honour_policy_replicas=True, seed=1)
+    ignored = run_sim(w, _WantsReplicas(4), replicas=1, autoscaler=auto, seed=1)
+    assert max(honoured.timeseries["replicas"]) == 4
+    assert max(ignored.timeseries["replicas"]) == 1
+    assert honoured.summary["replica_seconds"] > 3 * ignored.summary["replica_seconds"]

@@ -441,13 +441,15 @@ class Simulator:
         while heap:
             t, _, _, event = heapq.heappop(heap)
             if t > end_s:
+                # Drain timeout: whatever was still running stops here.
+                self.now = end_s
                 break
             self.now = t
             self.events += 1
             for follow in event.handle(self):
                 self._push(follow)
         for r in self.replicas:
-            r.close(min(self.now, end_s))
+            r.close(self.now)
         if self._progress is not None:
             self._progress.close()
         return self._result()

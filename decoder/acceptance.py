@@ -301,7 +301,7 @@ def _verify_block_reference(
     uniforms: Tensor,  # [B, k+1]
 ) -> VerifyResult:
     """Slow, obviously-correct verify: Python loops over rows and positions, replaying ``uniforms``."""
-    batch, k, vocab = draft_probs.shape
+    batch, k, _ = draft_probs.shape
     num_accepted = torch.zeros(batch, dtype=torch.long)
     next_token = torch.zeros(batch, dtype=torch.long)
     fuzzy_accepted = torch.zeros(batch, k, dtype=torch.bool)
@@ -337,7 +337,9 @@ def _verify_block_reference(
             if is_greedy:
                 standard = x == argmax(p_i.tolist())
             else:
-                standard = float(uniforms[b, i]) * float(q_i[x]) < float(p_i[x])
+                p_x, q_x = float(p_i[x]), float(q_i[x])
+                ratio = p_x / q_x if q_x > 0 else (math.inf if p_x > 0 else 0.0)
+                standard = float(uniforms[b, i]) < ratio  # u < min(1, p/q) as u < 1
             accepted = (standard or fuzzy) if (rule == "reducible" or is_greedy) else fuzzy
             if not accepted:
                 break

@@ -461,6 +461,26 @@ def test_fast_matches_reference_on_random_inputs(div: str, rule: str) -> None:
     assert (fast.num_accepted == k).any() or rule == "pure"
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_fast_matches_reference_on_bf16_inputs(rule: str) -> None:
+    b, k, v = 32, 3, 40
+    p = random_dists((b, k + 1, v), seed=131, zero_frac=0.2).bfloat16()  # rows no longer sum to 1 exactly
+    q = torch.softmax(torch.log(p[:, :k].float()) + 0.4 * torch.randn(b, k, v, generator=gen(132)), -1)  # same zeros
+    q = q.bfloat16()
+    g = gen(133)
+    drafts = sample(q.float(), g)
+    uniforms = draw_uniforms((b, k + 1), g, "cpu")
+    thresholds = torch.tensor([0.0, 0.05, 0.3, 1.0]).repeat(b // 4)
+    greedy_rows = torch.arange(b) % 3 == 0
+    fast = _verify_block_from_uniforms(p, q, drafts, thresholds, greedy_rows, "kl", rule, uniforms)
+    ref = _verify_block_reference(p, q, drafts, thresholds, greedy_rows, "kl", rule, uniforms)
+    for field in ("num_accepted", "next_token", "fuzzy_accepted"):
+        assert torch.equal(getattr(fast, field), getattr(ref, field)), field
+    torch.testing.assert_close(fast.distortion, ref.distortion, rtol=1e-6, atol=1e-7)
+    assert not torch.isnan(fast.divergence).any()
+    assert fast.fuzzy_accepted.any() and (fast.num_accepted > 0).any()
+
+
 def test_verify_block_draws_k_plus_one_uniforms_per_row_from_the_generator() -> None:
     b, k, v = 16, 3, 8
     p = random_dists((b, k + 1, v), seed=51)

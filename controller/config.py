@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -125,6 +125,9 @@ class HTTPConfig(_Section):
     """The HTTP front door."""
 
     host: str = Field("127.0.0.1", description="bind address (loopback by default)")
+    proxy_location: Literal["HeadOnly", "EveryNode"] = Field(
+        "HeadOnly", description="where Serve runs HTTP proxies; EveryNode with a routable host on real clusters"
+    )
     port: int = Field(8000, ge=0, le=65535)
     admin_token: str | None = Field(
         None, description=f"bearer token for PUT /v1/fsd/*; env {ADMIN_TOKEN_ENV} overrides"

@@ -56,6 +56,15 @@ def _actor_name() -> str | None:
         return None
 
 
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
 class _Detokenizer:
     """Incremental text for a growing list of token ids.
 
@@ -340,6 +349,7 @@ class FSDReplica:
         snap.update(
             replica_id=self._replica_id,
             actor_name=_actor_name(),
+            node_id=_node_id(),
             pid=os.getpid(),
             uptime_s=now - self._started,
             thresholds=self._effective(),

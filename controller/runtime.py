@@ -52,13 +52,15 @@ class Service:
         if self.address:
             ray.init(address=self.address, **init_kwargs)
         else:
-            init_kwargs.update(num_cpus=self.cfg.ray.num_cpus, include_dashboard=False)
+            # address="local": start a new cluster even if a `ray start` one runs on this machine.
+            init_kwargs.update(address="local", num_cpus=self.cfg.ray.num_cpus, include_dashboard=False)
             if self.cfg.ray.object_store_memory is not None:
                 init_kwargs["object_store_memory"] = self.cfg.ray.object_store_memory
             ray.init(**init_kwargs)
             self._own_cluster = True
         self._started = True
-        serve.start(http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
+        serve.start(proxy_location=self.cfg.http.proxy_location,
+                    http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
         serve.run(build_app(self.cfg), name=self.cfg.serve.app_name, route_prefix=self.cfg.serve.route_prefix)
         self._wait_ready(ready_timeout_s)
         return self.url

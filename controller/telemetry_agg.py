@@ -150,7 +150,7 @@ class TelemetryAggregator:
             tiers=tiers_out,
         )
         replicas = [
-            {k: report.get(k) for k in ("replica_id", "actor_name", "thresholds", "version", "failsafe", "queue_depth",
+            {k: report.get(k) for k in ("replica_id", "actor_name", "node_id", "pid", "thresholds", "version", "failsafe", "queue_depth",
                                         "in_flight", "running", "engine_alive", "draft_length",
                                         "last_update_age_s", "uptime_s", "pair")}
             for report in reports

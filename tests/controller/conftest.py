@@ -39,7 +39,8 @@ def ray_serve() -> Iterator[RayServe]:
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    # address="local": always a fresh cluster, never one a stray `ray start` left behind.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -1,0 +1,311 @@
+"""Calibration: the estimators and fits on their own, then a whole calibration of the tiny pair."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from controller.calibration import (
+    AcceptanceSample,
+    CalibrationRecord,
+    CalibrationSettings,
+    LatencySample,
+    calibrate,
+    fit_acceptance,
+    fit_latency,
+    isotonic_increasing,
+    position_counts,
+)
+from sim.profile import Profile
+
+# ---------------------------------------------------------------------------------------------------
+# Per-position acceptance estimator
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_position_counts_by_hand() -> None:
+    # k = 3; A = 0 twice, A = 1 once, A = 3 four times.
+    trials, accepts = position_counts([2, 1, 0, 4])
+    assert trials == [7, 5, 4]
+    assert accepts == [5, 4, 4]
+    # One censored row known to have A >= 2: tried and accepted at positions 0 and 1 only.
+    trials, accepts = position_counts([2, 1, 0, 4], [0, 0, 1, 0])
+    assert trials == [8, 6, 4]
+    assert accepts == [6, 5, 4]
+
+
+def test_uncensored_estimates_reproduce_the_measured_tokens_per_iteration() -> None:
+    rng = np.random.default_rng(0)
+    accepted = rng.integers(0, 5, size=500)  # k = 4, any distribution
+    histogram = np.bincount(accepted, minlength=5).tolist()
+    trials, accepts = position_counts(histogram)
+    p = np.array(accepts) / np.array(trials)
+    assert 1 + np.cumprod(p).sum() == pytest.approx(1 + accepted.mean(), rel=1e-12)
+
+
+def test_censored_estimator_is_unbiased_where_dropping_censored_rows_is_not() -> None:
+    """Simulate blocks with known per-position acceptance, cut some at an independent position (as
+    eos / max_new_tokens do), and check the product-limit estimate against the truth."""
+    rng = np.random.default_rng(1)
+    k, n = 4, 40_000
+    truth = np.array([0.7, 0.6, 0.5, 0.4])
+    leading = np.cumprod(rng.random((n, k)) < truth, axis=1).sum(axis=1)  # A: leading successes
+    cut = rng.integers(1, 12, size=n)  # the request ends after `cut` more emittable tokens
+    emitted = np.minimum(leading + 1, cut)
+    reported = np.minimum(leading, emitted)
+    exact = (emitted == reported + 1) | (reported == k)
+    hist = np.bincount(reported[exact], minlength=k + 1)
+    cens = np.bincount(reported[~exact], minlength=k + 1)
+    trials, accepts = position_counts(hist.tolist(), cens.tolist())
+    est = np.array(accepts) / np.array(trials)
+    se = np.sqrt(truth * (1 - truth) / np.array(trials))
+    assert np.all(np.abs(est - truth) < 4 * se), (est, truth)
+    # Dropping the censored rows instead biases the estimates (long accepted runs hit the end most).
+    naive_trials, naive_accepts = position_counts(hist.tolist())
+    naive = np.array(naive_accepts) / np.array(naive_trials)
+    assert naive[1] < truth[1] - 4 * se[1] and naive[2] < truth[2] - 4 * se[2], naive
+
+
+# ---------------------------------------------------------------------------------------------------
+# Isotonic fit
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_isotonic_pools_violators_by_weight_and_keeps_monotone_input() -> None:
+    assert isotonic_increasing([0.5, 0.3], [1, 3]) == pytest.approx([0.35, 0.35])
+    assert isotonic_increasing([0.1, 0.2, 0.9], [5, 1, 2]) == pytest.approx([0.1, 0.2, 0.9])
+    # A zero-weight point takes its left neighbour's fitted value.
+    assert isotonic_increasing([0.2, 0.0, 0.6], [1, 0, 1]) == pytest.approx([0.2, 0.2, 0.6])
+    with pytest.raises(ValueError, match="positive weight"):
+        isotonic_increasing([0.2], [0])
+
+
+def _sample(t: float, hist: list[int], tokens: int = 100, distortion: float = 0.0) -> AcceptanceSample:
+    trials, accepts = position_counts(hist)
+    return AcceptanceSample(
+        div="kl", k=len(hist) - 1, threshold=t, row_iterations=sum(hist), censored_row_iterations=0,
+        accepted_histogram=hist, censored_histogram=[0] * len(hist), position_trials=trials,
+        position_accepts=accepts, emitted_tokens=tokens, distortion_sum=distortion,
+        drafted=0, accepted=0, fuzzy_accepted=0,
+    )
+
+
+def test_fit_acceptance_is_monotone_in_threshold_and_zero_distortion_at_zero() -> None:
+    samples = [
+        _sample(0.0, [50, 30, 20], distortion=1e-9),
+        _sample(0.5, [55, 25, 20], distortion=4.0),  # noisy dip in acceptance
+        _sample(1.0, [20, 30, 50], distortion=3.0),  # noisy dip in distortion
+    ]
+    points = fit_acceptance(samples)
+    accept = np.array([p.position_accept for p in points])
+    assert np.all(np.diff(accept, axis=0) >= 0)
+    assert np.all((accept >= 0) & (accept <= 1))
+    dist = [p.mean_distortion for p in points]
+    assert dist[0] == 0.0
+    assert dist[1] == dist[2] == pytest.approx(0.035)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Latency fit
+# ---------------------------------------------------------------------------------------------------
+
+
+def _latency_points(da: float, db: float, va: float, vb: float, vc: float, pf: float, pt: float) -> list[LatencySample]:
+    pts = []
+    for k in (2, 4, 6):
+        for b in (1, 2, 4, 8):
+            pts.append(LatencySample(phase="decode", k=k, batch=b, tokens=150, n=5,
+                                     draft_ms=k * (da + db * b), verify_ms=0.8 * (va + vb * b + vc * k * b),
+                                     overhead_ms=0.2 * (va + vb * b + vc * k * b)))
+    for req, tok in ((1, 16), (1, 256), (4, 512), (2, 100)):
+        pts.append(LatencySample(phase="prefill", k=0, batch=req, tokens=tok, n=1, prefill_ms=pf * req + pt * tok))
+    return pts
+
+
+def test_latency_fit_reproduces_its_points() -> None:
+    coefs = (9.0, 1.5, 40.0, 6.0, 2.5, 3.0, 1.6)
+    fit = fit_latency(_latency_points(*coefs))
+    m = fit.model
+    got = (m.draft_a_ms, m.draft_b_ms, m.verify_a_ms, m.verify_b_ms, m.verify_c_ms, m.prefill_fixed_ms,
+           m.prefill_ms_per_token)
+    assert got == pytest.approx(coefs, rel=1e-6)
+    q = fit.quality
+    assert max(q.draft_max_rel_error, q.verify_max_rel_error, q.iteration_max_rel_error,
+               q.prefill_max_rel_error) < 1e-6
+    # The simulator's iteration time at a measured point is draft + verify + overhead there.
+    assert float(m.iteration_ms(4, 4)) == pytest.approx(4 * (9 + 1.5 * 4) + 40 + 6 * 4 + 2.5 * 16)
+
+
+def test_latency_fit_stays_non_negative() -> None:
+    # Timings that fall with batch size would need a negative slope; the profile forbids it.
+    pts = _latency_points(9.0, 0.0, 40.0, 0.0, 0.0, 3.0, 1.0)
+    pts = [p.model_copy(update={"verify_ms": p.verify_ms - 2.0 * p.batch}) if p.phase == "decode" else p
+           for p in pts]
+    m = fit_latency(pts).model
+    assert min(m.draft_a_ms, m.draft_b_ms, m.verify_a_ms, m.verify_b_ms, m.verify_c_ms) >= 0
+
+
+def test_latency_fit_needs_both_phases() -> None:
+    pts = _latency_points(9.0, 1.0, 40.0, 1.0, 1.0, 3.0, 1.0)
+    with pytest.raises(ValueError, match="prefill"):
+        fit_latency([p for p in pts if p.phase == "decode"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"divs": ("kl", "hellinger")}, "hellinger"),
+        ({"ks": (0, 4)}, "ks"),
+        ({"thresholds": {"kl": (0.0, -1.0)}}, "thresholds"),
+        ({"divs": ("js",), "thresholds": {"kl": (0.0, 1.0)}}, "js"),
+        ({"prompts": 0}, "prompts"),
+        ({"default_k": 5}, "default_k"),
+    ],
+)
+def test_bad_settings_name_the_field(data: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        CalibrationSettings.from_dict(data)
+
+
+def test_threshold_zero_is_always_in_the_grid() -> None:
+    s = CalibrationSettings.from_dict({"divs": ("kl",), "thresholds": {"kl": (1.0, 0.5)}})
+    assert s.thresholds["kl"] == (0.0, 0.5, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A whole calibration of the tiny pair (fast: tiny random models)
+# ---------------------------------------------------------------------------------------------------
+
+TINY_SETTINGS = {
+    "divs": ("kl", "js"),
+    "thresholds": {"kl": (0.0, 0.25, 1.0, 4.0), "js": (0.0, 0.1, 0.7)},
+    "ks": (2, 4),
+    "batch_sizes": (1, 3),
+    "prompts": 8,
+    "max_new_tokens": 40,
+    "timing_iterations": 2,
+    "timing_prompt_tokens": 32,
+    "prefill_lengths": (16, 64),
+    "prefill_repeats": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> Profile:
+    from decoder.models import tiny_pair
+
+    return calibrate(tiny_pair(), CalibrationSettings.from_dict(TINY_SETTINGS), command="test")
+
+
+def test_tiny_profile_validates_and_round_trips(tiny_profile: Profile, tmp_path) -> None:
+    assert tiny_profile.provenance.source == "calibrated"
+    assert tiny_profile.provenance.torch_version and tiny_profile.provenance.date
+    assert "CPUs" in tiny_profile.provenance.machine
+    path = tmp_path / "tiny.json"
+    tiny_profile.save(path)
+    loaded = Profile.load(path)
+    assert loaded.model_dump() == tiny_profile.model_dump()
+    record = CalibrationRecord.model_validate(loaded.calibration)
+    assert record.settings == CalibrationSettings.from_dict(TINY_SETTINGS)
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+def test_tiny_profile_covers_the_grid(tiny_profile: Profile) -> None:
+    assert tiny_profile.divs() == ["js", "kl"]
+    assert tiny_profile.draft_lengths("kl") == [2, 4]
+    assert list(tiny_profile.thresholds("kl", 4)) == [0.0, 0.25, 1.0, 4.0]
+    assert (tiny_profile.default_div, tiny_profile.default_k) == ("kl", 4)
+
+
+def test_tiny_acceptance_is_a_probability_and_monotone_in_threshold(tiny_profile: Profile) -> None:
+    for div in tiny_profile.divs():
+        for k in tiny_profile.draft_lengths(div):
+            grid = np.array([tiny_profile.position_accept(div, float(t), k)
+                             for t in tiny_profile.thresholds(div, k)])
+            assert np.all((grid >= 0) & (grid <= 1)), (div, k)
+            assert np.all(np.diff(grid, axis=0) >= 0), (div, k)
+            dist = [tiny_profile.mean_distortion(div, float(t), k) for t in tiny_profile.thresholds(div, k)]
+            assert dist[0] == 0.0 and np.all(np.diff(dist) >= 0)
+
+
+def test_tiny_raw_acceptance_rises_with_threshold_beyond_noise(tiny_profile: Profile) -> None:
+    """The raw first-position estimates (before the isotonic fit): no decrease in T larger than 3
+    standard errors, and the largest T accepts significantly more than T = 0."""
+    record = CalibrationRecord.model_validate(tiny_profile.calibration)
+    for div in ("kl", "js"):
+        samples = sorted((s for s in record.acceptance if s.div == div and s.k == 4), key=lambda s: s.threshold)
+        n = np.array([s.position_trials[0] for s in samples], dtype=float)
+        p = np.array([s.position_accepts[0] for s in samples]) / n
+        assert n.min() >= 30, n
+        for i in range(len(p)):
+            for j in range(i + 1, len(p)):
+                se = math.sqrt(p[i] * (1 - p[i]) / n[i] + p[j] * (1 - p[j]) / n[j]) or 1e-9
+                assert (p[i] - p[j]) / se < 3, (div, samples[i].threshold, samples[j].threshold, p)
+        se = math.sqrt(p[0] * (1 - p[0]) / n[0] + p[-1] * (1 - p[-1]) / n[-1])
+        assert p[-1] - p[0] > 3 * se, (div, p)
+
+
+def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
+    record = CalibrationRecord.model_validate(tiny_profile.calibration)
+    for s in record.acceptance:
+        assert sum(s.accepted_histogram) == s.row_iterations
+        assert s.fuzzy_accepted <= s.accepted <= s.drafted
+        if s.threshold == 0:
+            assert s.fuzzy_accepted == 0 and s.distortion_sum == 0.0
+    decode = [s for s in record.latency if s.phase == "decode"]
+    assert {(s.k, s.batch) for s in decode} == {(2, 1), (2, 3), (4, 1), (4, 3)}
+    assert all(s.draft_ms > 0 and s.verify_ms > 0 and s.n >= 1 for s in decode)
+    prefill = [s for s in record.latency if s.phase == "prefill"]
+    assert {s.tokens for s in prefill if s.batch == 1} >= {16.0, 64.0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_cli_quick_on_the_tiny_pair_writes_a_profile(tmp_path, capsys) -> None:
+    from controller.cli import main
+
+    out = tmp_path / "p.json"
+    rc = main(["calibrate", "--pair", "tiny", "--quick", "--no-progress", "--out", str(out),
+               "--batch-sizes", "1,2", "--thresholds", "kl=0,1"])
+    assert rc == 0
+    profile = Profile.load(out)
+    assert list(profile.thresholds("kl", 4)) == [0.0, 1.0]
+    assert "calibrate" in profile.provenance.command
+    headline = json.loads(capsys.readouterr().out)
+    assert [row["T"] for row in headline["per_threshold"]] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ks", "4,x"], "--ks"),
+        (["--ks", "0"], "ks"),
+        (["--divs", "nope"], "nope"),
+        (["--thresholds", "kl=0,-2"], "thresholds"),
+    ],
+)
+def test_cli_bad_flags_are_errors_naming_them(tmp_path, capsys, argv: list[str], message: str) -> None:
+    from controller.cli import main
+
+    rc = main(["calibrate", "--pair", "tiny", "--quick", "--no-progress", "--out", str(tmp_path / "p.json"), *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_an_output_directory_that_does_not_exist(tmp_path, capsys) -> None:
+    from controller.cli import main
+
+    rc = main(["calibrate", "--pair", "tiny", "--quick", "--out", str(tmp_path / "missing" / "p.json")])
+    assert rc == 2
+    assert "--out" in capsys.readouterr().err

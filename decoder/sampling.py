@@ -26,18 +26,24 @@ from torch import Tensor
 GeneratorArg = torch.Generator | Sequence[torch.Generator | None] | None
 
 
-def _per_row(value: Tensor | float | int, ref: Tensor, name: str) -> Tensor:
-    """Turn a scalar or a [B] tensor into a tensor broadcastable against ``ref`` [B, ..., V]."""
-    t = torch.as_tensor(value, device=ref.device)
-    if t.dim() == 0:
-        return t.reshape([1] * ref.dim())
-    if t.dim() != 1:
+def _per_row(value: Tensor | float | int, ref: Tensor, name: str, dtype: torch.dtype) -> Tensor:
+    """A scalar or a [B] per-row parameter, still on its own device (CPU for Python numbers), shape-checked
+    against ``ref`` [B, ..., V]. Validation and the "is any row filtered" decisions are made on this copy,
+    so a CPU parameter never forces an accelerator sync."""
+    t = torch.as_tensor(value, dtype=dtype)
+    if t.dim() > 1:
         raise ValueError(f"{name} must be a scalar or a 1-D per-row tensor, got shape {tuple(t.shape)}")
-    if ref.dim() < 2 or t.shape[0] != ref.shape[0]:
+    if t.dim() == 1 and (ref.dim() < 2 or t.shape[0] != ref.shape[0]):
         raise ValueError(
             f"{name} has {t.shape[0]} rows but logits have shape {tuple(ref.shape)} (leading dim is the batch)"
         )
-    return t.reshape([t.shape[0]] + [1] * (ref.dim() - 1))
+    return t
+
+
+def _broadcastable(t: Tensor, ref: Tensor) -> Tensor:
+    """[] or [B] -> [1, ..., 1] or [B, 1, ..., 1] on ``ref``'s device."""
+    shape = [t.shape[0] if t.dim() else 1] + [1] * (ref.dim() - 1)
+    return t.reshape(shape).to(ref.device)
 
 
 def _check(ok: Tensor, name: str, value: Tensor | float | int, rule: str) -> None:
@@ -62,28 +68,31 @@ def sampling_probs(
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty last (vocab) dim, got shape {tuple(logits.shape)}")
     scores = logits.float()
-    temp = _per_row(temperature, scores, "temperature").float()
+    vocab = scores.shape[-1]
+    temp = _per_row(temperature, scores, "temperature", torch.float32)
     _check(torch.isfinite(temp) & (temp >= 0), "temperature", temperature, "finite and >= 0")
-    k = _per_row(top_k, scores, "top_k")
+    k = _per_row(top_k, scores, "top_k", torch.long)
     _check(k >= 0, "top_k", top_k, ">= 0")
-    p_keep = _per_row(top_p, scores, "top_p").float()
+    p_keep = _per_row(top_p, scores, "top_p", torch.float32)
     _check((p_keep > 0) & (p_keep <= 1), "top_p", top_p, "in (0, 1]")
+    topk_rows = (k > 0) & (k < vocab)
+    topk_needed = int(k[topk_rows].max()) if bool(topk_rows.any()) else 0  # the largest active top-k
+    topp_any = bool((p_keep < 1).any())
 
     if bool((temp != 1).any()):
-        scores = scores / torch.where(temp == 0, torch.ones_like(temp), temp)
+        scores = scores / _broadcastable(torch.where(temp == 0, torch.ones_like(temp), temp), scores)
     # A row of all -inf would softmax to NaN; make it uniform instead (checked on the row max: one cheap pass).
     all_masked = torch.isneginf(scores.amax(dim=-1, keepdim=True))
     if bool(all_masked.any()):
         scores = scores.masked_fill(all_masked, 0.0)
-
-    vocab = scores.shape[-1]
-    topk_on = (k > 0) & (k < vocab)
-    topp_on = p_keep < 1
-    if not (bool(topk_on.any()) or bool(topp_on.any())):
+    if topk_needed == 0 and not topp_any:
         return torch.softmax(scores, dim=-1)
     # Filters only mask scores to -inf and the result is one softmax, so a row without filtering is
     # bit-identical to the plain softmax whatever else is in the batch.
-    return torch.softmax(_filter_scores(scores, k, topk_on, p_keep, topp_on), dim=-1)
+    filtered = _filter_scores(
+        scores, _broadcastable(k, scores), topk_needed, _broadcastable(p_keep, scores), topp_any
+    )
+    return torch.softmax(filtered, dim=-1)
 
 
 # Candidate count tried first for top-p; a full sort of a 50k-150k vocabulary per row is far slower than a
@@ -93,22 +102,23 @@ _FIRST_CANDIDATES = 64
 
 def _filter_scores(
     scores: Tensor,  # [..., V] float32, temperature applied
-    k: Tensor,  # broadcastable to scores[..., :1]: top-k per row
-    topk_on: Tensor,  # same shape as k, bool
-    p_keep: Tensor,  # broadcastable: top-p per row
-    topp_on: Tensor,  # same shape as p_keep, bool
+    k: Tensor,  # [B or 1, 1, ..., 1] int64: top-k per row, 0 or >= V = off
+    topk_needed: int,  # the largest active top-k (0: top-k off in every row)
+    p_keep: Tensor,  # [B or 1, 1, ..., 1] float32: top-p per row, 1 = off
+    topp_any: bool,  # whether any row has top-p < 1
 ) -> Tensor:  # [..., V] scores with filtered-out tokens at -inf
     vocab = scores.shape[-1]
     neg_inf = torch.tensor(-torch.inf, device=scores.device)
-    any_topk = bool(topk_on.any())
-    need = int(k[topk_on].max()) if any_topk else 1
-    candidates = min(vocab, max(need, _FIRST_CANDIDATES if bool(topp_on.any()) else need))
+    topk_on = (k > 0) & (k < vocab)
+    topp_on = p_keep < 1
+    any_topk = topk_needed > 0
+    candidates = min(vocab, max(topk_needed, _FIRST_CANDIDATES if topp_any else 1))
     while True:
         # The `candidates` highest scores per row, sorted descending (topk's output is sorted).
         values, indices = torch.topk(scores, candidates, dim=-1)
         kth_index = (k.clamp(min=1, max=candidates) - 1).long().expand(*scores.shape[:-1], 1)
         kth_value = values.gather(-1, kth_index)  # ties with the k-th value are kept, as in HF
-        if not bool(topp_on.any()):
+        if not topp_any:
             return torch.where(~topk_on | (scores >= kth_value), scores, neg_inf)
         masked = torch.where(~topk_on | (scores >= kth_value), scores, neg_inf) if any_topk else scores
         log_norm = torch.logsumexp(masked, dim=-1, keepdim=True)

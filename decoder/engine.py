@@ -390,21 +390,32 @@ class FSDEngine:
         return out.logits
 
     def _admit(self) -> tuple[float, int]:
+        """Prefill every request that fits, together, and merge them into the batch caches."""
+        joining: list[_Request] = []
+        while self._waiting and len(self._running) + len(joining) < self.max_batch_size:
+            joining.append(self._waiting.popleft())
+        if not joining:
+            return 0.0, 0
         start = time.perf_counter()
-        tokens = 0
-        while self._waiting and len(self._running) < self.max_batch_size:
-            request = self._waiting.popleft()
-            prefix = torch.tensor([request.prompt_ids[:-1]], dtype=torch.long)
-            for model, batch_cache in ((self.target, self._target_cache), (self.draft, self._draft_cache)):
-                row_cache = self._new_cache(model, 1)
-                if prefix.shape[1]:
-                    self._forward(model, row_cache, prefix, torch.ones_like(prefix, dtype=torch.bool))
-                batch_cache.append_rows(row_cache)
-            request.pending = request.prompt_ids[-1]
-            request.draft_unseen = [request.prompt_ids[-1]]
-            self._running.append(request)
-            tokens += len(request.prompt_ids)
-        return time.perf_counter() - start, tokens
+        # Prefill all but the last prompt token (see the invariants), left-padded to a common width.
+        width = max(len(r.prompt_ids) - 1 for r in joining)
+        feed = torch.zeros(len(joining), width, dtype=torch.long)
+        valid = torch.zeros(len(joining), width, dtype=torch.bool)
+        for b, r in enumerate(joining):
+            prefix = r.prompt_ids[:-1]
+            if prefix:
+                feed[b, width - len(prefix) :] = torch.tensor(prefix)
+                valid[b, width - len(prefix) :] = True
+        for model, batch_cache in ((self.target, self._target_cache), (self.draft, self._draft_cache)):
+            joining_cache = self._new_cache(model, len(joining))
+            if width:
+                self._forward(model, joining_cache, feed, valid)
+            batch_cache.append_rows(joining_cache)
+        for r in joining:
+            r.pending = r.prompt_ids[-1]
+            r.draft_unseen = [r.prompt_ids[-1]]
+            self._running.append(r)
+        return time.perf_counter() - start, sum(len(r.prompt_ids) for r in joining)
 
     def _sampling_tensors(self, running: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         temperature = torch.tensor([r.params.temperature for r in running], dtype=torch.float32)

@@ -46,6 +46,7 @@ class BatchKVCache(Cache):
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # [batch, length]
         self.row_lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # valid slots per row
         self._pending_valid: torch.Tensor | None = None
+        self.compactions = 0  # how often holes were gathered away (observability, tests)
 
     # ----------------------------------------------------------------- shape
     @property
@@ -152,6 +153,7 @@ class BatchKVCache(Cache):
             layer.values[:, :, :new_length] = layer.values[:, :, : self.length].gather(2, index)
         self.valid = self.valid.gather(1, order)
         self.length = new_length
+        self.compactions += 1
 
     # ------------------------------------------------------- rows join/leave
     def select_rows(self, rows: torch.Tensor) -> None:

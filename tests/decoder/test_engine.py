@@ -1,0 +1,383 @@
+"""FSDEngine on tiny random fp32 Llama pairs: exactness, batching, sampling, stopping, bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decoder.engine import FSDEngine, SamplingParams
+from decoder.models import ModelPair, tiny_pair
+from decoder.sampling import sampling_probs
+
+PROMPTS = [
+    [5, 6, 7, 8, 9],
+    [100],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42],
+    [200, 201],
+    [72, 101, 108, 108, 111, 44, 32],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads, and on a shared, busy CPU OpenMP's spinning
+    # threads make every small matmul ~50x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair() -> ModelPair:
+    return tiny_pair(seed=0)
+
+
+def greedy_params(max_new_tokens: int = 20, **overrides: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, eos_token_ids=(), **overrides)  # type: ignore[arg-type]
+
+
+@torch.inference_mode()
+def target_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Reference: plain greedy decoding with the target alone, re-encoding the whole sequence each token."""
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    for _ in range(n):
+        token = int(model(input_ids=ids).logits[0, -1].argmax())
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def run(
+    pair: ModelPair,
+    requests: list[tuple[list[int], SamplingParams, float]],
+    k: int = 4,
+    max_batch_size: int = 8,
+    **engine_kwargs: object,
+) -> dict[str, list[int]]:
+    engine = FSDEngine(pair, num_draft_tokens=k, max_batch_size=max_batch_size, **engine_kwargs)  # type: ignore[arg-type]
+    for i, (prompt, params, threshold) in enumerate(requests):
+        engine.add_request(str(i), prompt, params, threshold)
+    engine.run_to_completion()
+    return {str(i): engine.output(str(i)).token_ids for i in range(len(requests))}
+
+
+# ------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_t0_reproduces_target_greedy(pair: ModelPair, k: int) -> None:
+    for prompt in PROMPTS[:4]:
+        engine = FSDEngine(pair, num_draft_tokens=k)
+        engine.add_request("r", prompt, greedy_params(24), threshold=0.0)
+        engine.run_to_completion()
+        out = engine.output("r")
+        assert out.token_ids == target_greedy(pair.target, prompt, 24), f"k={k} prompt={prompt}"
+        assert out.finish_reason == "length"
+        assert out.fuzzy_accepted == 0 and out.distortion == 0.0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 6, 9])
+def test_max_new_tokens_is_exact_at_block_boundaries(pair: ModelPair, max_new_tokens: int) -> None:
+    # k=4 emits up to 5 tokens per iteration: these lengths end inside, at and after a block.
+    reference = target_greedy(pair.target, PROMPTS[0], max_new_tokens)
+    engine = FSDEngine(pair, num_draft_tokens=4)
+    engine.add_request("r", PROMPTS[0], greedy_params(max_new_tokens), threshold=1e9)
+    engine.add_request("exact", PROMPTS[0], greedy_params(max_new_tokens), threshold=0.0)
+    engine.run_to_completion()
+    assert len(engine.output("r").token_ids) == max_new_tokens
+    assert engine.output("r").finish_reason == "length"
+    assert engine.output("exact").token_ids == reference
+
+
+@torch.inference_mode()
+def accept_all_reference(pair: ModelPair, prompt: list[int], n: int, k: int) -> list[int]:
+    """Greedy FSD with every draft accepted: k draft-greedy tokens, then the target's greedy bonus token."""
+    seq = list(prompt)
+    while len(seq) - len(prompt) < n:
+        for _ in range(k):
+            seq.append(int(pair.draft(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        seq.append(int(pair.target(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) : len(prompt) + n]
+
+
+def test_accept_all_emits_k_plus_one_per_iteration(pair: ModelPair) -> None:
+    k, n = 3, 22
+    engine = FSDEngine(pair, num_draft_tokens=k)
+    engine.add_request("all", PROMPTS[2], greedy_params(n), threshold=1e9)
+    steps = engine.run_to_completion()
+    out = engine.output("all")
+    assert out.token_ids == accept_all_reference(pair, PROMPTS[2], n, k)
+    emitted = [len(s.rows[0].new_token_ids) for s in steps]
+    assert emitted == [k + 1] * (n // (k + 1)) + [n % (k + 1)]
+    assert out.acceptance_rate == 1.0
+    assert out.distortion > 0.0  # the draft differs from the target, and every position was fuzzy
+
+
+def test_fuzzy_threshold_raises_acceptance(pair: ModelPair) -> None:
+    rates = {}
+    for threshold in (0.0, 0.5, 1e9):
+        outs = []
+        for prompt in PROMPTS:
+            engine = FSDEngine(pair, num_draft_tokens=4)
+            engine.add_request("r", prompt, greedy_params(24), threshold=threshold)
+            engine.run_to_completion()
+            outs.append(engine.output("r"))
+        rates[threshold] = sum(o.accepted for o in outs) / sum(o.drafted for o in outs)
+        if threshold == 0.0:
+            assert all(o.fuzzy_accepted == 0 for o in outs)
+        else:
+            assert sum(o.fuzzy_accepted for o in outs) > 0
+    assert rates[0.0] < rates[0.5] < rates[1e9] == 1.0, rates
+
+
+# --------------------------------------------------------------------------------------- batching
+
+
+def test_batch_equals_singles_greedy(pair: ModelPair) -> None:
+    thresholds = [0.0, 0.3, 0.0, 2.0, 0.1, 0.0]
+    requests = [(p, greedy_params(40), t) for p, t in zip(PROMPTS, thresholds, strict=True)]
+    singles = {str(i): run(pair, [r])["0"] for i, r in enumerate(requests)}
+    assert run(pair, requests) == singles
+    for i, (prompt, _, t) in enumerate(requests):
+        if t == 0.0:
+            assert singles[str(i)] == target_greedy(pair.target, prompt, 40)
+
+
+def test_continuous_batching_join_and_leave(pair: ModelPair) -> None:
+    # Different lengths leave at different times; max_batch_size=3 makes later requests wait and join
+    # a batch in flight; more requests are added between steps.
+    lengths = [7, 30, 13, 45, 3, 25]
+    requests = [(p, greedy_params(n), 0.0 if i % 2 else 0.4) for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]
+    singles = {str(i): run(pair, [r])["0"] for i, r in enumerate(requests)}
+
+    engine = FSDEngine(pair, num_draft_tokens=3, max_batch_size=3)
+    for i, (prompt, params, t) in enumerate(requests[:4]):
+        engine.add_request(str(i), prompt, params, t)
+    batch_sizes = []
+    step = 0
+    while engine.has_unfinished():
+        stats = engine.step()
+        batch_sizes.append(stats.batch_size)
+        step += 1
+        if step == 3:
+            for i in (4, 5):
+                prompt, params, t = requests[i]
+                engine.add_request(str(i), prompt, params, t)
+    assert {str(i): engine.output(str(i)).token_ids for i in range(6)} == singles
+    assert max(batch_sizes) == 3 and min(batch_sizes) < 3
+    assert engine._target_cache.batch_size == 0
+
+
+def test_holes_are_compacted_without_changing_outputs(pair: ModelPair) -> None:
+    requests = [(p, greedy_params(80), 0.0) for p in PROMPTS[:4]]
+    engine = FSDEngine(pair, num_draft_tokens=5)
+    for i, (prompt, params, t) in enumerate(requests):
+        engine.add_request(str(i), prompt, params, t)
+    engine.run_to_completion()
+    assert engine._target_cache.compactions > 0 and engine._draft_cache.compactions > 0
+    for i, (prompt, _, _) in enumerate(requests):
+        assert engine.output(str(i)).token_ids == target_greedy(pair.target, prompt, 80), f"row {i}"
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+
+def sampled(seed: int | None, n: int = 20) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_k=50, max_new_tokens=n, eos_token_ids=(), seed=seed)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(pair: ModelPair) -> None:
+    alone = run(pair, [(PROMPTS[0], sampled(123), 0.3)])["0"]
+    assert run(pair, [(PROMPTS[0], sampled(123), 0.3)])["0"] == alone
+    crowd = [
+        (PROMPTS[3], sampled(7), 0.0),
+        (PROMPTS[0], sampled(123), 0.3),
+        (PROMPTS[2], greedy_params(30), 1.0),
+        (PROMPTS[1], sampled(None, 40), 0.1),
+    ]
+    assert run(pair, crowd)["1"] == alone
+    assert run(pair, [(PROMPTS[0], sampled(124), 0.3)])["0"] != alone
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_t0_sampling_follows_the_target_distribution(pair: ModelPair, position: int) -> None:
+    """Chi-square: the token at ``position`` under SD (T=0) is distributed as target sampling."""
+    prompt, temperature, top_k, n = PROMPTS[4], 0.9, 40, 3000
+    with torch.inference_mode():
+        first = sampling_probs(pair.target(input_ids=torch.tensor([prompt])).logits[0, -1], temperature, top_k)
+        if position == 0:
+            expected = first
+        else:  # the exact mixture over first tokens: sum_x p(x) p(. | prompt, x)
+            contexts = torch.cat([torch.tensor([prompt]).expand(first.shape[0], -1), torch.arange(first.shape[0])[:, None]], 1)
+            second = sampling_probs(pair.target(input_ids=contexts).logits[:, -1], temperature, top_k)
+            expected = first @ second
+    engine = FSDEngine(pair, num_draft_tokens=3, max_batch_size=100)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=2, eos_token_ids=(), seed=s) for s in range(n)]
+    for s, p in enumerate(params):
+        engine.add_request(str(s), prompt, p, threshold=0.0)
+    engine.run_to_completion()
+    counts = torch.zeros_like(expected)
+    for s in range(n):
+        counts[engine.output(str(s)).token_ids[position]] += 1
+    # Pool tokens with small expected counts so the chi-square approximation holds.
+    assert counts[expected == 0].sum() == 0, "a token outside the top-k support was emitted"
+    big = expected * n >= 5
+    small = ~big & (expected > 0)
+    observed, predicted = counts[big].double(), expected[big].double() * n
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum()[None].double()])
+        predicted = torch.cat([predicted, expected[small].sum()[None].double() * n])
+    result = chisquare(observed.numpy(), predicted.numpy() * n / predicted.sum().item())
+    assert result.pvalue > 1e-3, (result, int(big.sum()))
+
+
+# ------------------------------------------------------------------------------------- stopping
+
+
+def test_eos_stops_and_is_kept(pair: ModelPair) -> None:
+    reference = target_greedy(pair.target, PROMPTS[0], 30)
+    eos = reference[6]
+    first = reference.index(eos)
+    engine = FSDEngine(pair)
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=30, eos_token_ids=(eos,)))
+    engine.run_to_completion()
+    out = engine.output("r")
+    assert out.token_ids == reference[: first + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_pair_eos_is_the_default(pair: ModelPair) -> None:
+    engine = FSDEngine(pair)
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=5))
+    assert engine._requests["r"].eos == frozenset(pair.eos_token_ids)
+
+
+def test_stop_string_truncates_text(pair: ModelPair) -> None:
+    reference = target_greedy(pair.target, PROMPTS[0], 40)
+    full_text = pair.tokenizer.decode(reference, skip_special_tokens=True)
+    # A stop string from the middle of the text, free of replacement characters.
+    start = next(i for i in range(8, len(full_text) - 2) if "\ufffd" not in full_text[i : i + 2])
+    stop = full_text[start : start + 2]
+    engine = FSDEngine(pair)
+    engine.add_request("r", PROMPTS[0], greedy_params(40, stop=(stop, "never-appears")))
+    engine.run_to_completion()
+    out = engine.output("r")
+    assert out.finish_reason == "stop"
+    assert out.text == full_text[: full_text.find(stop)]
+    assert stop not in out.text
+    assert out.token_ids == reference[: len(out.token_ids)]
+    assert stop in pair.tokenizer.decode(out.token_ids) and stop not in pair.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_abort_running_and_waiting(pair: ModelPair) -> None:
+    engine = FSDEngine(pair, max_batch_size=2)
+    engine.add_request("a", PROMPTS[0], greedy_params(30))
+    engine.add_request("b", PROMPTS[2], greedy_params(30))
+    engine.add_request("c", PROMPTS[3], greedy_params(30))
+    engine.step()
+    engine.abort("a")
+    engine.abort("c")  # still waiting
+    stats = engine.step()
+    aborted = {r.request_id: r for r in stats.rows if r.finish_reason == "abort"}
+    assert set(aborted) == {"a", "c"} and all(r.finished for r in aborted.values())
+    engine.run_to_completion()
+    assert engine.output("b").token_ids == target_greedy(pair.target, PROMPTS[2], 30)
+    assert engine.output("a").finish_reason == "abort" and engine.output("c").token_ids == []
+    assert not engine.has_unfinished()
+    assert engine.release("a").request_id == "a"
+    with pytest.raises(ValueError, match="'a'"):
+        engine.output("a")
+
+
+def test_step_stats_account_for_every_token(pair: ModelPair) -> None:
+    engine = FSDEngine(pair, num_draft_tokens=3)
+    engine.add_request("x", PROMPTS[1], sampled(1, 25), threshold=0.5)
+    engine.add_request("y", PROMPTS[2], greedy_params(17), threshold=0.0)
+    steps = engine.run_to_completion()
+    assert steps[0].prefill_tokens == len(PROMPTS[1]) + len(PROMPTS[2])
+    for rid in ("x", "y"):
+        rows = [r for s in steps for r in s.rows if r.request_id == rid]
+        out = engine.output(rid)
+        assert [t for r in rows for t in r.new_token_ids] == out.token_ids
+        assert sum(r.accepted for r in rows) == out.accepted <= out.drafted == sum(r.drafted for r in rows)
+        assert math.isclose(sum(r.distortion for r in rows), out.distortion)
+        assert rows[-1].finished and not any(r.finished for r in rows[:-1])
+        assert all(r.accepted <= len(r.new_token_ids) <= r.accepted + 1 for r in rows)
+    assert all(s.draft_time_s > 0 and s.verify_time_s > 0 for s in steps)
+
+
+def test_set_threshold_and_draft_length_apply_next_iteration(pair: ModelPair) -> None:
+    engine = FSDEngine(pair, num_draft_tokens=2)
+    engine.add_request("r", PROMPTS[0], greedy_params(40), threshold=0.0)
+    engine.step()
+    engine.set_threshold("r", 1e9)
+    engine.set_draft_length(5)
+    stats = engine.step()
+    assert stats.draft_length == 5 and stats.rows[0].threshold == 1e9
+    assert len(stats.rows[0].new_token_ids) == 6
+
+
+# -------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"num_draft_tokens": 0}, "0"),
+        ({"div": "hellinger"}, "hellinger"),
+        ({"rule": "lenient"}, "lenient"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+    ],
+)
+def test_bad_engine_arguments(pair: ModelPair, kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        FSDEngine(pair, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "threshold", "needle"),
+    [
+        ([], SamplingParams(), 0.0, "empty prompt"),
+        ([1, 2], SamplingParams(max_new_tokens=0), 0.0, "max_new_tokens"),
+        ([1, 2], SamplingParams(max_new_tokens=-3), 0.0, "-3"),
+        ([1, 2], SamplingParams(), -0.5, "-0.5"),
+        ([1, 2], SamplingParams(), float("nan"), "nan"),
+        ([1, 2], SamplingParams(), float("inf"), "inf"),
+        ([1, 2], SamplingParams(temperature=-1.0), 0.0, "temperature"),
+        ([1, 2], SamplingParams(top_p=0.0), 0.0, "top_p"),
+        ([1, 2], SamplingParams(top_k=-2), 0.0, "top_k"),
+        ([1, 2], SamplingParams(stop=("",)), 0.0, "stop"),
+        ([1, 99999], SamplingParams(), 0.0, "99999"),
+        ([1] * 500, SamplingParams(max_new_tokens=13), 0.0, "500 tokens"),
+        ([1] * 600, SamplingParams(max_new_tokens=1), 0.0, "600"),
+    ],
+)
+def test_bad_requests(pair: ModelPair, prompt: list[int], params: SamplingParams, threshold: float, needle: str) -> None:
+    engine = FSDEngine(pair)
+    with pytest.raises(ValueError, match=needle):
+        engine.add_request("r", prompt, params, threshold)
+    assert not engine.has_unfinished()
+
+
+def test_bad_calls(pair: ModelPair) -> None:
+    engine = FSDEngine(pair)
+    engine.add_request("r", [1, 2], greedy_params(3))
+    with pytest.raises(ValueError, match="duplicate request_id 'r'"):
+        engine.add_request("r", [1, 2], greedy_params(3))
+    with pytest.raises(ValueError, match="-1"):
+        engine.set_threshold("r", -1.0)
+    with pytest.raises(ValueError, match="0"):
+        engine.set_draft_length(0)
+    with pytest.raises(ValueError, match="'nope'"):
+        engine.abort("nope")
+    with pytest.raises(ValueError, match="still running"):
+        engine.release("r")
+    engine.run_to_completion()
+    assert engine.output("r").finish_reason == "length"

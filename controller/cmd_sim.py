@@ -152,7 +152,7 @@ def handle(args: argparse.Namespace) -> int:
         if args.json_out:
             write_json(result, args.json_out)
         if args.plot:
-            plot(result, args.plot)
+            plot(result, args.plot, title=f"{result.meta['workload']} — policy {args.policy}")
         if args.records:
             write_records(result, args.records)
         print(json.dumps(result_json(result, include_timeseries=False), indent=2))

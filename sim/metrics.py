@@ -182,3 +182,4 @@ def summarize(
         "tiers": per_tier,
     }
     return summary
+

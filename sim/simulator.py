@@ -25,7 +25,7 @@ from policies.tiers import clamp_thresholds
 from sim.autoscaler import Autoscaler, AutoscalerConfig
 from sim.entities import EventCounters, RequestTable, WindowBins
 from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
-from sim.metrics import fast_summary, latencies_ms, summarize, tier_windows
+from sim.metrics import fast_summary, latencies_ms, slo_met, summarize, tier_windows
 from sim.profile import Profile
 from sim.replica import DecodeSettings, Replica, ReplicaState
 from sim.workload import Requests, Workload
@@ -468,6 +468,9 @@ class Simulator:
         summary["simulated_until_s"] = round(end, 3)
         summary["peak_replicas"] = int(max(self.timeseries.get("replicas", [self.config.replicas])))
         t = self.table
+        done = np.flatnonzero(t.completed)
+        met = np.zeros(t.n, dtype=bool)
+        met[done] = slo_met(t, done, self.slo)
         records = {
             "arrival_s": t.arrival_s,
             "tier": t.tier,
@@ -479,6 +482,7 @@ class Simulator:
             "completion_s": t.completion_s,
             "rejected": t.rejected,
             "distortion_sum": t.distortion_sum,
+            "slo_met": met,
         }
         notes = list(self.requests.notes)
         if self.ignored_draft_lengths:
@@ -487,6 +491,7 @@ class Simulator:
         meta: dict[str, Any] = {
             "workload": self.workload_name,
             "policy": repr(self.policy),
+            "policy_name": _policy_name(self.policy),
             "seed": self.config.seed,
             "config": self.config.model_dump(),
             "div": self.div,
@@ -499,6 +504,13 @@ class Simulator:
             meta["attribution"] = self.requests.attribution
         iterations = sum(r.iterations for r in self.replicas)
         return SimResult(summary, self.timeseries, records, meta, iterations=iterations, events=self.events)
+
+
+def _policy_name(policy: object) -> str:
+    """The innermost policy's name (guards wrap it): 'pid', 'static', ..."""
+    while getattr(policy, "inner", None) is not None:
+        policy = policy.inner  # type: ignore[attr-defined]
+    return str(getattr(policy, "name", type(policy).__name__))
 
 
 def simulate(

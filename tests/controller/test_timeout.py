@@ -1,0 +1,57 @@
+"""Request deadline: a request that cannot finish within ``http.request_timeout_s`` gets a 504 (or an SSE
+error event when already streaming), and its replica slot is freed (the cancellation reaches the engine)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.controller.conftest import RayServe, tiny_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+APP = "fsd-timeout"
+
+
+def test_deadline_gives_504_and_frees_the_slot(ray_serve: RayServe) -> None:
+    from ray import serve
+
+    from controller.app import build_app
+    from controller.config import parse_config
+
+    cfg = parse_config(tiny_config(serve={"app_name": APP, "route_prefix": "/slow"},
+                                   http={"request_timeout_s": 0.3}))
+    serve.run(build_app(cfg), name=APP, route_prefix="/slow")
+    url = f"{ray_serve.base_url}/slow"
+    body = {"prompt": "long", "max_tokens": 400, "fsd": {"tier": "lossless"}}
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 504, r.text
+            message = r.json()["error"]["message"]
+            assert "timed out" in message or "did not start" in message
+            s = c.post("/v1/completions", json={**body, "stream": True})
+            if s.status_code == 504:  # the deadline passed before the replica even answered (busy machine)
+                assert "did not start" in s.json()["error"]["message"]
+            else:  # headers went out before the deadline: the stream ends with an error event
+                assert s.status_code == 200, s.text
+                events = [b[len("data: "):] for b in s.text.split("\n\n") if b.strip()]
+                assert events[-1] == "[DONE]"
+                error = json.loads(events[-2])["error"]
+                assert error["code"] == 504 and "timed out" in error["message"]
+
+            handle = serve.get_deployment_handle("FSDReplica", APP)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                stats = handle.broadcast("stats", drain=False).results(timeout_s=10)
+                if all(st["in_flight"] == 0 for st in stats):
+                    break
+                time.sleep(0.2)
+            assert all(st["in_flight"] == 0 for st in stats), "timed-out requests must be aborted in the engine"
+            assert sum(st["counters"]["aborted"] for st in stats) >= 2
+            assert sum(st["counters"]["completions"] for st in stats) == 0
+    finally:
+        serve.delete(APP)

@@ -311,3 +311,28 @@ def test_smollm2_cache_round_trip_gives_identical_logits(smollm2_loads: tuple[Mo
     model = from_cache.target
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert from_cache.tokenizer.chat_template == from_gguf.tokenizer.chat_template
+
+
+def _qwen_fetched() -> bool:
+    from decoder.model_fetch import pair_status
+
+    return pair_status("qwen2.5-coder-1.5b").available
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _qwen_fetched(), reason="run `fsd models fetch qwen2.5-coder-1.5b` first")
+def test_qwen_pair_loads_with_matching_tokenizers_and_writes_code() -> None:
+    pair = load_pair("qwen2.5-coder-1.5b")
+    assert pair.target.dtype == torch.bfloat16
+    assert is_int8_dynamic(pair.draft)
+    assert pair.max_context == 32768
+    assert pair.tokenizer.convert_tokens_to_ids("<|im_end|>") in pair.eos_token_ids
+    prompt = pair.encode_prompt("Write a Python function square(x) that returns x squared.")
+    continuation = torch.tensor([prompt])
+    with torch.inference_mode():
+        draft_logits = pair.draft(continuation).logits[0, -1]
+        for _ in range(12):
+            next_id = pair.target(continuation).logits[0, -1].argmax()
+            continuation = torch.cat([continuation, next_id.view(1, 1)], dim=1)
+    assert torch.isfinite(draft_logits).all()
+    assert "def square" in pair.tokenizer.decode(continuation[0, len(prompt) :])

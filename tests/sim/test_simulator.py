@@ -224,3 +224,32 @@ def test_policy_replica_requests_are_honoured_only_when_enabled() -> None:
     assert max(honoured.timeseries["replicas"]) == 4
     assert max(ignored.timeseries["replicas"]) == 1
     assert honoured.summary["replica_seconds"] > 3 * ignored.summary["replica_seconds"]
+
+
+class _WantsDraftLength:
+    """A minimal Policy: fixed T = 0.5 on the standard tier, asks for draft length k."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def decide(self, telemetry):
+        from policies.decision import Decision
+
+        return Decision(thresholds={"standard": 0.5}, draft_length=self.k)
+
+    def reset(self) -> None:
+        pass
+
+
+def test_decision_draft_length_applies_when_the_profile_has_it() -> None:
+    profile = Profile.default()
+    w = make_workload(duration_s=300.0, arrivals={"kind": "poisson", "rate": 0.3},
+                      output_tokens={"kind": "fixed", "value": 600})
+    res = run_sim(w, _WantsDraftLength(2), replicas=2, seed=1)
+    assert res.meta["draft_length"] == 2
+    acc = np.asarray(res.timeseries["acceptance_rate"])
+    expected = profile.expected_acceptance_rate("kl", 0.5, 2)
+    assert float(np.nanmean(acc)) == pytest.approx(expected, rel=0.03)
+    ignored = run_sim(w, _WantsDraftLength(5), replicas=2, seed=1)
+    assert ignored.meta["draft_length"] == 4
+    assert any("draft lengths [5]" in n for n in ignored.meta["notes"])

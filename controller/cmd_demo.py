@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 TIERS = ("standard", "economy")
+GRACE_S = 30.0
 
 
 def register(subparsers: Any) -> None:
@@ -25,8 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--requests", type=int, default=24, help="requests in the burst (bounded)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent requests during the burst")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of load after start-up (bounded)")
-    p.add_argument("--max-tokens", type=int, default=48, help="max_tokens per request")
-    p.add_argument("--interval", type=float, default=None, help="control interval (default 1s; 0.5s for tiny)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request")
+    p.add_argument("--interval", type=float, default=None, help="control interval (default 2s; 0.5s for tiny)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: a free one)")
     p.set_defaults(func=handle)
 
@@ -123,7 +124,17 @@ async def _drive(url: str, args: argparse.Namespace, interval: float) -> dict[st
                       f"{_fmt(row['p95_tpot_ms']):>11} "
                       + " ".join(f"{thresholds.get(t, 0.0):12.3f}" for t in TIERS) + f"  {reason[:70]}", flush=True)
 
-        await asyncio.gather(load(), watch())
+        watcher = asyncio.create_task(watch())
+        try:
+            # Hard bound: requests still running GRACE_S after the load window are cancelled (the client
+            # disconnects, the replicas abort them), so the demo ends on time even on a saturated machine.
+            await asyncio.wait_for(load(), args.duration + GRACE_S)
+        except TimeoutError:
+            print(f"fsd demo: load window over; cancelling requests still running after {GRACE_S:.0f}s grace",
+                  flush=True)
+        finally:
+            phase = "done"
+            await watcher
     return {"results": results, "trajectory": trajectory}
 
 
@@ -136,7 +147,7 @@ def handle(args: argparse.Namespace) -> int:
     if not 5 <= args.duration <= 1800:
         raise ValueError(f"--duration must be in [5, 1800] seconds, got {args.duration}")
     tiny = args.pair == "tiny"
-    interval = args.interval if args.interval is not None else (0.5 if tiny else 1.0)
+    interval = args.interval if args.interval is not None else (0.5 if tiny else 2.0)
     slo = None
     if tiny:  # the tiny random pair is fast: give it SLOs a burst on 2 cores can break
         slo = {"tiers": {"lossless": {"fixed_threshold": 0.0, "max_threshold": 0.0},
@@ -174,7 +185,12 @@ def handle(args: argparse.Namespace) -> int:
 def _summary(out: dict[str, Any], cfg: Any) -> None:
     results = out["results"]
     ok = [r for r in results if r["status"] == 200]
-    print(f"\nrequests: {len(results)} sent, {len(ok)} ok, {len(results) - len(ok)} failed")
+    failed: dict[str, int] = {}
+    for r in results:
+        if r["status"] != 200:
+            failed[str(r["status"])] = failed.get(str(r["status"]), 0) + 1
+    print(f"\nrequests: {len(results)} finished, {len(ok)} ok, {len(results) - len(ok)} failed"
+          + (f" {failed}" if failed else ""))
     for tier in TIERS:
         tier_ok = [r for r in ok if r["tier"] == tier]
         ts = [row["thresholds"].get(tier, 0.0) for row in out["trajectory"]]

@@ -163,7 +163,8 @@ def pair_status(name: str) -> PairStatus:
     size += sum(dir_size(download_dir(name, role)) for role in _roles(name))
     if all(map(is_converted, converted)):
         return PairStatus(name, spec.description, True, "fetched", size)
-    return PairStatus(name, spec.description, False, f"not fetched ({spec.fetch_command})", size)
+    download = f", ~{spec.approx_download_bytes / 1e9:.1f} GB download" if spec.approx_download_bytes else ""
+    return PairStatus(name, spec.description, False, f"not fetched ({spec.fetch_command}{download})", size)
 
 
 def _spec(name: str) -> PairSpec:

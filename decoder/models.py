@@ -431,7 +431,7 @@ SHIPPED_PAIRS: dict[str, PairSpec] = {
         # alone 8.4): its lower acceptance (0.6 vs 0.79) is far outweighed by a 2.6x cheaper forward.
         draft_dtype=INT8_DYNAMIC,
         fetch_command="fsd models fetch qwen2.5-coder-1.5b",
-        approx_download_bytes=1_500_000_000,
+        approx_download_bytes=1_570_000_000,
     ),
 }
 
@@ -557,7 +557,8 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs, **model_kwargs)
     except OSError as exc:
         raise ValueError(f"cannot load model {source!r} (offline; is it a local model dir?): {exc}") from exc
-    _drop_quantizer(model)
+    if model_kwargs:  # a GGUF: dense now, so drop the quantizer (other quantized checkpoints keep theirs)
+        _drop_quantizer(model)
     return model, tokenizer
 
 

@@ -1,0 +1,830 @@
+"""Calibration: measure a model pair with the real engine on this machine and write the simulator's Profile.
+
+Everything is measured through :meth:`decoder.engine.FSDEngine.step`, the loop a serving replica drives,
+so the profile describes what a replica does, bookkeeping included. Two sweeps:
+
+Acceptance (per divergence ``div``, draft length ``k`` and threshold ``T``)
+    Acceptance does not depend on the batch size, only on the pair, the sampling settings and the text,
+    so it is measured at one batch size with as many tokens as the budget allows. Each (prompt, T) is
+    one request carrying its own threshold, so a whole T grid for one (div, k) runs as a single
+    continuously batched workload. The requests of one prompt share their sampling seed across T, k and
+    div (common random numbers: differences between grid points are less noisy than their values).
+
+    *Per-position acceptance.* Each row-iteration accepts the leading ``A`` of its ``k`` drafts
+    (0..k). Draft position ``i`` (0-based) is *tried* when ``A >= i`` and *accepted* when
+    ``A >= i + 1``, so the estimate ``p_i = #{A >= i+1} / #{A >= i}`` is the maximum-likelihood
+    estimate under the profile's model (independent per-position Bernoulli trials up to the first
+    failure); without censoring, ``1 + sum_i prod_{j<=i} p_j`` reproduces the measured tokens per
+    iteration exactly. *Censoring*: when a request ends inside a block (eos, ``max_new_tokens`` or a
+    stop string cuts it after an accepted draft), the step reports ``accepted == tokens emitted`` and
+    only ``A >= accepted`` is known. Such a row-iteration counts as tried-and-accepted at positions
+    ``< accepted`` and is not counted beyond (the product-limit / Kaplan-Meier estimator). Dropping
+    it instead would bias acceptance down, since long accepted runs are the likeliest to hit the end.
+
+    *Monotone in T.* The profile requires acceptance and distortion non-decreasing in T (each
+    position's acceptance probability is, context by context: the fuzzy branch only adds accepts),
+    but neighbouring grid points are noisy. The fitted value per position is the weighted isotonic
+    regression over T of the raw estimates with weights = trials, which for binomial data is the
+    maximum-likelihood estimate under the monotonicity constraint. Raw counts stay in the profile's
+    ``calibration`` record.
+
+    *Distortion.* Mean TV distortion per emitted token = sum of the engine's exact per-position
+    distortion / tokens emitted (all row-iterations; censoring does not bias it), also made monotone
+    in T by weighted isotonic regression (weights = tokens). At T = 0 it is zero by construction.
+
+Latency (per ``k`` and batch size ``B``)
+    ``B`` requests that ignore eos fill a batch of exactly ``B`` rows; after a warm-up iteration,
+    ``timing_iterations`` steps are timed. The engine reports draft, verify and prefill time per step;
+    the rest of the step's wall time (acceptance bookkeeping, emission, cache row moves) is *overhead*,
+    and the profile's verify terms absorb it, so draft + verify = a whole step as serving sees it. Fits
+    (non-negative least squares, the profile's own model, raw points kept):
+
+    - draft  ``= k · (draft_a + draft_b · B)``
+    - verify + overhead ``= verify_a + verify_b · B + verify_c · k · B``
+    - prefill ``= prefill_fixed · requests + prefill_per_token · prompt tokens`` (the engine prefills
+      each joining request on its own, target and draft; the simulator charges ``prefill_fixed`` once
+      per group of joiners).
+
+The sampling temperature defaults to 1.0, the serving API's default (OpenAI's), because acceptance
+depends on it; the profile records it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from sim.profile import AcceptancePoint, LatencyModel, Profile, Provenance
+
+# The engine's divergence names (decoder.acceptance.DIVERGENCES); kept here so this module imports
+# without torch until a sweep actually runs.
+KNOWN_DIVS = ("kl", "reverse_kl", "js", "tv", "draft_tokens")
+
+#: Default T grids. kl is unbounded (SmolLM2's int8 self-draft has median KL ≈ 2.5, so 8 is close to
+#: accept-all); js ≤ ln 2 ≈ 0.693 and draft_tokens = |p(x) − q(x)| ≤ 1, so their last points accept all.
+DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
+    "kl": (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 4.0, 8.0),
+    "reverse_kl": (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
+    "js": (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.7),
+    "tv": (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0),
+    "draft_tokens": (0.0, 0.01, 0.03, 0.1, 0.2, 0.4, 1.0),
+}
+
+#: The fixed prompt set (chat and code, asking for long answers so few requests end early).
+CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works and what happens when two keys collide.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests.",
+    "Describe the water cycle to a ten-year-old, step by step.",
+    "What are the main differences between TCP and UDP? Give examples of when to use each.",
+    "Write a recipe for a vegetable soup, with a list of ingredients and numbered steps.",
+    "Implement binary search in JavaScript and explain its time complexity.",
+    "Give me ten tips for writing clear technical documentation.",
+    "Summarise the causes and consequences of the French Revolution.",
+    "Write a SQL query that finds the top five customers by total order value, and explain it.",
+    "Explain what a neural network is, starting from a single neuron.",
+    "Write a polite email to a colleague asking them to review a pull request by Friday.",
+    "Write a bash script that backs up a directory into a dated tar.gz archive.",
+    "Compare the planets of the solar system by size, distance from the sun and number of moons.",
+    "Explain recursion with three examples in Python.",
+    "Write a dialogue between a cat and a dog arguing about who is the better pet.",
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------------
+
+
+class CalibrationSettings(BaseModel):
+    """What to sweep and how hard (validated; errors name the field)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    divs: tuple[str, ...] = ("kl", "js", "draft_tokens")
+    thresholds: dict[str, tuple[float, ...]] = Field(
+        default_factory=lambda: dict(DEFAULT_THRESHOLDS), description="T grid per div (T = 0 is always added)"
+    )
+    ks: tuple[int, ...] = (2, 4, 6)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    prompts: int = Field(6, ge=1, le=len(CALIBRATION_PROMPTS), description="prompts per grid point")
+    max_new_tokens: int = Field(40, ge=2, description="tokens per acceptance request")
+    acceptance_batch_size: int = Field(8, ge=1, description="engine batch of the acceptance sweep")
+    timing_iterations: int = Field(6, ge=1, description="timed steps per (k, batch size) after a warm-up")
+    timing_prompt_tokens: int = Field(128, ge=2, description="prompt length of the timing requests")
+    prefill_lengths: tuple[int, ...] = (16, 64, 128, 256, 512)
+    prefill_repeats: int = Field(2, ge=1)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="sampling temperature (0 = greedy)")
+    rule: Literal["reducible", "pure"] = "reducible"
+    default_div: str | None = Field(None, description="profile's default div (None: kl if swept, else the first)")
+    default_k: int | None = Field(None, description="profile's default k (None: 4 if swept, else the middle)")
+    seed: int = 0
+
+    @field_validator("divs")
+    @classmethod
+    def _divs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("at least one divergence is needed")
+        for d in v:
+            if d not in KNOWN_DIVS:
+                raise ValueError(f"unknown divergence {d!r}; expected one of {', '.join(KNOWN_DIVS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"duplicate divergence in {v}")
+        return v
+
+    @field_validator("ks", "batch_sizes", "prefill_lengths")
+    @classmethod
+    def _positive_ints(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v:
+            raise ValueError("must not be empty")
+        for x in v:
+            if x < 1:
+                raise ValueError(f"values must be integers >= 1, got {x}")
+        return tuple(sorted(set(v)))
+
+    @field_validator("thresholds")
+    @classmethod
+    def _grids(cls, v: dict[str, tuple[float, ...]]) -> dict[str, tuple[float, ...]]:
+        out = {}
+        for div, grid in v.items():
+            for t in grid:
+                if not (math.isfinite(t) and t >= 0):
+                    raise ValueError(f"thresholds[{div!r}]: T must be finite and >= 0, got {t}")
+            out[div] = tuple(sorted({0.0, *map(float, grid)}))
+        return out
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CalibrationSettings:
+        for div in self.divs:
+            if div not in self.thresholds:
+                raise ValueError(f"thresholds: no T grid for divergence {div!r}")
+        if self.default_div is not None and self.default_div not in self.divs:
+            raise ValueError(f"default_div {self.default_div!r} is not among divs {self.divs}")
+        if self.default_k is not None and self.default_k not in self.ks:
+            raise ValueError(f"default_k {self.default_k} is not among ks {self.ks}")
+        return self
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> CalibrationSettings:
+        """A smoke calibration (< 1 min on 2 cores for the default pair): kl only, k = 4, coarse grids."""
+        base: dict[str, Any] = {
+            "divs": ("kl",),
+            "thresholds": {"kl": (0.0, 0.5, 1.0, 2.0, 8.0)},
+            "ks": (4,),
+            "batch_sizes": (1, 4),
+            "prompts": 4,
+            "max_new_tokens": 24,
+            "timing_iterations": 3,
+            "prefill_lengths": (32, 256),
+            "prefill_repeats": 1,
+        }
+        base.update(overrides)
+        return cls.from_dict(base)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CalibrationSettings:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+            raise ValueError(f"calibration settings: {loc}: {err['msg']}") from None
+
+    @property
+    def profile_div(self) -> str:
+        if self.default_div is not None:
+            return self.default_div
+        return "kl" if "kl" in self.divs else self.divs[0]
+
+    @property
+    def profile_k(self) -> int:
+        if self.default_k is not None:
+            return self.default_k
+        return 4 if 4 in self.ks else self.ks[len(self.ks) // 2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Raw measurements (stored in Profile.calibration)
+# ---------------------------------------------------------------------------------------------------
+
+
+class AcceptanceSample(BaseModel):
+    """Raw counts at one (div, k, T) grid point."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    div: str
+    k: int
+    threshold: float
+    row_iterations: int = Field(..., description="uncensored (request, iteration) pairs")
+    censored_row_iterations: int = Field(..., description="row-iterations cut by the end of their request")
+    accepted_histogram: list[int] = Field(..., description="uncensored row-iterations with A = 0..k accepted")
+    censored_histogram: list[int] = Field(..., description="censored row-iterations known to have A >= 0..k")
+    position_trials: list[int] = Field(..., description="row-iterations that tried position i = 0..k-1")
+    position_accepts: list[int] = Field(..., description="of those, the ones that accepted it")
+    emitted_tokens: int = Field(..., description="tokens emitted by decode iterations (all row-iterations)")
+    distortion_sum: float
+    drafted: int
+    accepted: int
+    fuzzy_accepted: int
+
+    @property
+    def raw_position_accept(self) -> list[float | None]:
+        return [a / n if n else None for a, n in zip(self.position_accepts, self.position_trials, strict=True)]
+
+    @property
+    def tokens_per_iteration(self) -> float:
+        """E[A + 1] implied by the raw per-position estimates (a position never tried counts as 0)."""
+        raw = [p if p is not None else 0.0 for p in self.raw_position_accept]
+        return 1.0 + float(np.cumprod(raw).sum())
+
+    @property
+    def mean_distortion(self) -> float:
+        return self.distortion_sum / self.emitted_tokens if self.emitted_tokens else 0.0
+
+
+class LatencySample(BaseModel):
+    """Mean times of ``n`` engine steps at one (phase, k, batch) point, in ms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    phase: Literal["decode", "prefill"]
+    k: int = Field(..., description="draft length (prefill: 0)")
+    batch: int = Field(..., description="decode: rows in the step; prefill: requests admitted")
+    tokens: float = Field(..., description="decode: mean context tokens per row; prefill: prompt tokens")
+    n: int
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    overhead_ms: float = Field(0.0, description="step wall time − draft − verify − prefill")
+    prefill_ms: float = 0.0
+    step_ms_median: float = Field(0.0, description="median step wall time without prefill (decode)")
+    step_ms_std: float = 0.0
+
+
+class FitQuality(BaseModel):
+    """How well each latency fit reproduces its points (relative error of the mean, per point)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_max_rel_error: float
+    verify_max_rel_error: float
+    iteration_max_rel_error: float
+    prefill_max_rel_error: float
+
+
+class CalibrationRecord(BaseModel):
+    """Everything a calibration measured, stored as ``Profile.calibration``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    settings: CalibrationSettings
+    torch_threads: int
+    load_average_start: tuple[float, float, float] | None
+    load_average_end: tuple[float, float, float] | None
+    wall_s: float
+    acceptance: list[AcceptanceSample]
+    latency: list[LatencySample]
+    fit: FitQuality
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fitting (pure numpy/scipy: unit-tested without models)
+# ---------------------------------------------------------------------------------------------------
+
+
+def position_counts(
+    histogram: Sequence[int], censored_histogram: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """``(trials, accepts)`` per draft position, i = 0..k-1.
+
+    ``histogram[a]`` = row-iterations with exactly ``A = a`` accepted (a = 0..k);
+    ``censored_histogram[a]`` = row-iterations known only to have ``A >= a``. An exact one is tried at
+    positions ``0..min(a, k-1)`` and accepted at ``0..a-1``; a censored one is tried and accepted at
+    ``0..a-1``.
+    """
+    h = np.asarray(histogram, dtype=np.int64)
+    c = np.zeros_like(h) if censored_histogram is None else np.asarray(censored_histogram, dtype=np.int64)
+    if h.ndim != 1 or h.size < 2 or c.shape != h.shape:
+        raise ValueError(f"histograms must be 1-D of length k+1 >= 2, got {h.shape} and {c.shape}")
+    exact_at_least = h[::-1].cumsum()[::-1]  # [i] = #{exact A >= i}, i = 0..k
+    censored_at_least = c[::-1].cumsum()[::-1]  # [i] = #{censored a >= i}
+    trials = exact_at_least[:-1] + censored_at_least[1:]  # exact A >= i, or censored a > i
+    accepts = exact_at_least[1:] + censored_at_least[1:]
+    return trials.tolist(), accepts.tolist()
+
+
+def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators).
+
+    Points with zero weight carry no information: they take the fitted value of the nearest weighted
+    point before them (or after, for leading ones).
+    """
+    from scipy.optimize import isotonic_regression
+
+    y = np.asarray(values, dtype=float)
+    w = np.asarray(weights, dtype=float)
+    if y.shape != w.shape or y.ndim != 1:
+        raise ValueError(f"values and weights must be equal-length 1-D, got {y.shape} and {w.shape}")
+    informative = w > 0
+    if not informative.any():
+        raise ValueError("isotonic fit needs at least one point with positive weight")
+    fitted = np.empty_like(y)
+    idx = np.flatnonzero(informative)
+    fitted[idx] = isotonic_regression(y[idx], weights=w[idx], increasing=True).x
+    for i in range(y.size):  # fill uninformative points from the left neighbour (keeps monotone)
+        if not informative[i]:
+            left = idx[idx < i]
+            fitted[i] = fitted[left[-1]] if left.size else fitted[idx[0]]
+    return fitted
+
+
+def fit_acceptance(samples: Iterable[AcceptanceSample]) -> list[AcceptancePoint]:
+    """Profile acceptance points from raw samples: per (div, k), monotone in T (see module docstring)."""
+    groups: dict[tuple[str, int], list[AcceptanceSample]] = {}
+    for s in samples:
+        groups.setdefault((s.div, s.k), []).append(s)
+    points: list[AcceptancePoint] = []
+    for (div, k), group in sorted(groups.items()):
+        group.sort(key=lambda s: s.threshold)
+        if group[0].threshold != 0.0:
+            raise ValueError(f"acceptance samples for div={div!r} k={k} have no T = 0 point")
+        n_t = len(group)
+        trials = np.array([s.position_trials for s in group], dtype=float)  # [n_t, k]
+        accepts = np.array([s.position_accepts for s in group], dtype=float)
+        if trials[:, 0].sum() == 0:
+            raise ValueError(f"no uncensored iterations measured for div={div!r} k={k}; raise max_new_tokens")
+        raw = np.divide(accepts, trials, out=np.full_like(accepts, np.nan), where=trials > 0)
+        fitted = np.empty((n_t, k))
+        for i in range(k):
+            if trials[:, i].sum() > 0:
+                fitted[:, i] = isotonic_increasing(np.nan_to_num(raw[:, i]), trials[:, i])
+            else:  # never reached at any T: the best guess is the previous position's value
+                fitted[:, i] = fitted[:, i - 1]
+        tokens = np.array([s.emitted_tokens for s in group], dtype=float)
+        distortion = np.array([s.mean_distortion for s in group])
+        distortion[0] = 0.0  # T = 0 never takes the fuzzy branch (exact by construction)
+        if tokens[1:].sum() > 0:
+            distortion[1:] = isotonic_increasing(distortion[1:], tokens[1:])
+        distortion = np.maximum(distortion, 0.0)
+        for j, s in enumerate(group):
+            points.append(
+                AcceptancePoint(
+                    div=div,
+                    k=k,
+                    threshold=s.threshold,
+                    position_accept=[float(np.clip(x, 0.0, 1.0)) for x in fitted[j]],
+                    mean_distortion=float(distortion[j]),
+                )
+            )
+    return points
+
+
+@dataclass(frozen=True)
+class LatencyFit:
+    model: LatencyModel
+    quality: FitQuality
+
+
+def _nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    from scipy.optimize import nnls
+
+    coef, _ = nnls(design, target)
+    return np.asarray(coef)
+
+
+def _max_rel_error(predicted: np.ndarray, measured: np.ndarray) -> float:
+    if predicted.size == 0:
+        return 0.0
+    return float(np.max(np.abs(predicted - measured) / np.maximum(np.abs(measured), 1e-9)))
+
+
+def fit_latency(samples: Sequence[LatencySample]) -> LatencyFit:
+    """Non-negative least-squares fit of the profile's latency model to the measured points."""
+    decode = [s for s in samples if s.phase == "decode"]
+    prefill = [s for s in samples if s.phase == "prefill"]
+    if not decode:
+        raise ValueError("no decode timing samples to fit")
+    if not prefill:
+        raise ValueError("no prefill timing samples to fit")
+    k = np.array([s.k for s in decode], dtype=float)
+    b = np.array([s.batch for s in decode], dtype=float)
+    draft = np.array([s.draft_ms for s in decode])
+    verify = np.array([s.verify_ms + s.overhead_ms for s in decode])
+    draft_design = np.stack([k, k * b], axis=1)
+    verify_design = np.stack([np.ones_like(b), b, k * b], axis=1)
+    draft_a, draft_b = _nnls(draft_design, draft)
+    verify_a, verify_b, verify_c = _nnls(verify_design, verify)
+
+    req = np.array([s.batch for s in prefill], dtype=float)
+    tok = np.array([s.tokens for s in prefill], dtype=float)
+    pre = np.array([s.prefill_ms for s in prefill])
+    prefill_fixed, prefill_per_token = _nnls(np.stack([req, tok], axis=1), pre)
+
+    model = LatencyModel(
+        draft_a_ms=float(draft_a),
+        draft_b_ms=float(draft_b),
+        verify_a_ms=float(verify_a),
+        verify_b_ms=float(verify_b),
+        verify_c_ms=float(verify_c),
+        prefill_ms_per_token=float(prefill_per_token),
+        prefill_fixed_ms=float(prefill_fixed),
+    )
+    draft_pred = draft_design @ np.array([draft_a, draft_b])
+    verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])
+    iteration_pred = np.array([float(model.iteration_ms(int(s.batch), int(s.k))) for s in decode])
+    prefill_pred = req * prefill_fixed + tok * prefill_per_token
+    quality = FitQuality(
+        draft_max_rel_error=_max_rel_error(draft_pred, draft),
+        verify_max_rel_error=_max_rel_error(verify_pred, verify),
+        iteration_max_rel_error=_max_rel_error(iteration_pred, draft + verify),
+        prefill_max_rel_error=_max_rel_error(prefill_pred, pre),
+    )
+    return LatencyFit(model, quality)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurement (drives the real engine)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Counts:
+    """Accumulator for one (div, k, T) grid point."""
+
+    k: int
+    histogram: list[int] = field(default_factory=list)
+    censored: list[int] = field(default_factory=list)
+    emitted: int = 0
+    distortion: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    fuzzy: int = 0
+
+    def __post_init__(self) -> None:
+        self.histogram = [0] * (self.k + 1)
+        self.censored = [0] * (self.k + 1)
+
+    def add(self, row: Any, k: int) -> None:
+        """Fold in one RowStats of a step with draft length ``k`` (see the module docstring)."""
+        emitted = len(row.new_token_ids)
+        self.emitted += emitted
+        self.distortion += float(row.distortion)
+        self.drafted += row.drafted
+        self.accepted += row.accepted
+        self.fuzzy += row.fuzzy_accepted
+        if emitted == 0:  # aborted or wholly cut by a stop string: no information
+            return
+        if emitted == row.accepted + 1 or row.accepted == k:
+            self.histogram[row.accepted] += 1  # the block ended with the target's own token: A exact
+        else:
+            self.censored[row.accepted] += 1  # ended on an accepted draft: only A >= accepted is known
+
+
+class _Progress:
+    """A tqdm bar on stderr, or nothing."""
+
+    def __init__(self, enabled: bool, total: float, desc: str) -> None:
+        self._bar: Any = None
+        if enabled:
+            import sys
+
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, n: float, desc: str | None = None) -> None:
+        if self._bar is not None:
+            if desc is not None:
+                self._bar.set_description(desc, refresh=False)
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _engine(pair: Any, settings: CalibrationSettings, div: str, k: int, batch: int) -> Any:
+    from decoder.engine import FSDEngine
+
+    return FSDEngine(pair, num_draft_tokens=k, div=div, rule=settings.rule, max_batch_size=batch, seed=settings.seed)
+
+
+def _params(settings: CalibrationSettings, max_new_tokens: int, seed: int, ignore_eos: bool) -> Any:
+    from decoder.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=settings.temperature,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=() if ignore_eos else None,
+        seed=seed,
+    )
+
+
+def _prompt_ids(pair: Any, settings: CalibrationSettings) -> list[list[int]]:
+    ids = [pair.encode_prompt(p) for p in CALIBRATION_PROMPTS[: settings.prompts]]
+    room = pair.max_context - settings.max_new_tokens
+    if room < 2:
+        raise ValueError(f"max_new_tokens {settings.max_new_tokens} leaves no room in the pair's context")
+    return [p[-room:] for p in ids]
+
+
+def _filler_ids(pair: Any, length: int) -> list[int]:
+    """A prompt of exactly ``length`` tokens: the calibration prompts' text, repeated as needed."""
+    text = "\n".join(CALIBRATION_PROMPTS)
+    base = [int(t) for t in pair.tokenizer.encode(text, add_special_tokens=False)]
+    if not base:
+        raise ValueError("the tokenizer encodes the calibration prompts to no tokens")
+    reps = length // len(base) + 1
+    return (base * reps)[:length]
+
+
+def measure_acceptance(
+    pair: Any, settings: CalibrationSettings, progress: bool = False
+) -> list[AcceptanceSample]:
+    """Run the (div × k × T × prompt) sweep through the engine's step API; raw counts per grid point."""
+    prompts = _prompt_ids(pair, settings)
+    total = sum(len(settings.thresholds[d]) for d in settings.divs) * len(settings.ks) * len(prompts)
+    bar = _Progress(progress, total * settings.max_new_tokens, "acceptance")
+    samples: list[AcceptanceSample] = []
+    try:
+        for div in settings.divs:
+            grid = settings.thresholds[div]
+            for k in settings.ks:
+                bar.update(0, desc=f"acceptance {div} k={k}")
+                engine = _engine(pair, settings, div, k, settings.acceptance_batch_size)
+                counts = {t: _Counts(k) for t in grid}
+                threshold_of: dict[str, float] = {}
+                for p, ids in enumerate(prompts):
+                    for t in grid:
+                        rid = f"{div}/k{k}/T{t}/p{p}"
+                        threshold_of[rid] = t
+                        seed = settings.seed * 1_000_003 + p  # common random numbers across T, k, div
+                        engine.add_request(rid, ids, _params(settings, settings.max_new_tokens, seed, False), t)
+                while engine.has_unfinished():
+                    step = engine.step()
+                    emitted = 0
+                    for row in step.rows:
+                        counts[threshold_of[row.request_id]].add(row, step.draft_length)
+                        emitted += len(row.new_token_ids)
+                        if row.finished:
+                            engine.release(row.request_id)
+                    bar.update(emitted)
+                for t in grid:
+                    c = counts[t]
+                    trials, accepts = position_counts(c.histogram, c.censored)
+                    samples.append(
+                        AcceptanceSample(
+                            div=div,
+                            k=k,
+                            threshold=t,
+                            row_iterations=sum(c.histogram),
+                            censored_row_iterations=sum(c.censored),
+                            accepted_histogram=c.histogram,
+                            censored_histogram=c.censored,
+                            position_trials=trials,
+                            position_accepts=accepts,
+                            emitted_tokens=c.emitted,
+                            distortion_sum=c.distortion,
+                            drafted=c.drafted,
+                            accepted=c.accepted,
+                            fuzzy_accepted=c.fuzzy,
+                        )
+                    )
+    finally:
+        bar.close()
+    return samples
+
+
+def _summarise_decode(k: int, batch: int, steps: list[Any], walls: list[float], contexts: list[float]) -> LatencySample:
+    draft = np.array([s.draft_time_s for s in steps]) * 1e3
+    verify = np.array([s.verify_time_s for s in steps]) * 1e3
+    prefill = np.array([s.prefill_time_s for s in steps]) * 1e3
+    wall = np.array(walls) * 1e3
+    no_prefill = wall - prefill
+    return LatencySample(
+        phase="decode",
+        k=k,
+        batch=batch,
+        tokens=float(np.mean(contexts)),
+        n=len(steps),
+        draft_ms=float(draft.mean()),
+        verify_ms=float(verify.mean()),
+        overhead_ms=float(np.maximum(no_prefill - draft - verify, 0.0).mean()),
+        step_ms_median=float(np.median(no_prefill)),
+        step_ms_std=float(no_prefill.std()),
+    )
+
+
+def measure_latency(pair: Any, settings: CalibrationSettings, progress: bool = False) -> list[LatencySample]:
+    """Time decode steps per (k, batch size) and prefills per prompt length."""
+    div = settings.profile_div
+    prompt_len = min(settings.timing_prompt_tokens, pair.max_context // 2)
+    prompt = _filler_ids(pair, prompt_len)
+    per_point = settings.timing_iterations + 1
+    prefill_lengths = [min(n, pair.max_context - 2) for n in settings.prefill_lengths]
+    total = len(settings.ks) * len(settings.batch_sizes) * per_point + len(prefill_lengths) * settings.prefill_repeats
+    bar = _Progress(progress, total, "latency")
+    if bar._bar is not None:
+        bar._bar.unit = "step"
+    samples: list[LatencySample] = []
+    try:
+        _warm_up(pair, settings, prompt)
+        for k in settings.ks:
+            max_new = (k + 1) * per_point + 1
+            if prompt_len + max_new > pair.max_context:
+                raise ValueError(f"timing prompt of {prompt_len} tokens + {max_new} new exceeds the pair's context")
+            for batch in settings.batch_sizes:
+                bar.update(0, desc=f"latency k={k} B={batch}")
+                engine = _engine(pair, settings, div, k, batch)
+                for r in range(batch):
+                    engine.add_request(f"t{r}", prompt, _params(settings, max_new, settings.seed + r, True), 0.0)
+                steps, walls, contexts = [], [], []
+                for i in range(per_point):
+                    t0 = time.perf_counter()
+                    step = engine.step()
+                    wall = time.perf_counter() - t0
+                    bar.update(1)
+                    if i == 0:  # admission: prefill of `batch` requests, then a warm-up decode
+                        samples.append(
+                            LatencySample(
+                                phase="prefill",
+                                k=0,
+                                batch=batch,
+                                tokens=float(step.prefill_tokens),
+                                n=1,
+                                prefill_ms=step.prefill_time_s * 1e3,
+                            )
+                        )
+                        continue
+                    if step.batch_size != batch:  # a row finished early: not a clean point
+                        continue
+                    steps.append(step)
+                    walls.append(wall)
+                    contexts.append(
+                        prompt_len + float(np.mean([len(engine.output(f"t{r}").token_ids) for r in range(batch)]))
+                    )
+                if steps:
+                    samples.append(_summarise_decode(k, batch, steps, walls, contexts))
+                for r in range(batch):
+                    engine.abort(f"t{r}")
+        bar.update(0, desc="latency prefill")
+        engine = _engine(pair, settings, div, settings.ks[0], 1)
+        for rep in range(settings.prefill_repeats):
+            for n, length in enumerate(prefill_lengths):
+                rid = f"prefill{rep}-{n}"
+                engine.add_request(rid, _filler_ids(pair, length), _params(settings, 1, settings.seed, True), 0.0)
+                step = engine.step()
+                samples.append(
+                    LatencySample(
+                        phase="prefill",
+                        k=0,
+                        batch=1,
+                        tokens=float(step.prefill_tokens),
+                        n=1,
+                        prefill_ms=step.prefill_time_s * 1e3,
+                    )
+                )
+                engine.release(rid)
+                bar.update(1)
+    finally:
+        bar.close()
+    return samples
+
+
+def _warm_up(pair: Any, settings: CalibrationSettings, prompt: list[int]) -> None:
+    """One short batched run so first-call allocations do not land in the first timed point."""
+    batch = max(settings.batch_sizes)
+    k = max(settings.ks)
+    engine = _engine(pair, settings, settings.profile_div, k, batch)
+    for r in range(batch):
+        engine.add_request(f"w{r}", prompt, _params(settings, 2 * (k + 1), settings.seed + r, True), 0.0)
+    engine.run_to_completion()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole calibration
+# ---------------------------------------------------------------------------------------------------
+
+
+def _load_average() -> tuple[float, float, float] | None:
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
+def _describe_dtypes(pair: Any) -> str:
+    import torch
+
+    from decoder.models import is_int8_dynamic
+
+    def describe(model: Any) -> str:
+        if is_int8_dynamic(model):
+            return "int8 dynamic"
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        return names.get(model.dtype, str(model.dtype))
+
+    return f"target {describe(pair.target)} / draft {describe(pair.draft)}"
+
+
+def calibrate(
+    pair: Any,
+    settings: CalibrationSettings,
+    *,
+    command: str = "",
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Profile:
+    """Measure ``pair`` (a :class:`decoder.models.ModelPair`) and return a validated Profile."""
+    import torch
+    import transformers
+
+    started = time.perf_counter()
+    load_start = _load_average()
+    acceptance = measure_acceptance(pair, settings, progress=progress)
+    if log:
+        log(f"acceptance sweep done in {time.perf_counter() - started:.0f} s")
+    latency = measure_latency(pair, settings, progress=progress)
+    load_end = _load_average()
+    fit = fit_latency(latency)
+    points = fit_acceptance(acceptance)
+    wall = time.perf_counter() - started
+    threads = torch.get_num_threads()
+    record = CalibrationRecord(
+        settings=settings,
+        torch_threads=threads,
+        load_average_start=load_start,
+        load_average_end=load_end,
+        wall_s=round(wall, 1),
+        acceptance=acceptance,
+        latency=latency,
+        fit=fit.quality,
+    )
+    machine = (
+        f"{platform.platform()}; {platform.machine()}; {os.cpu_count()} CPUs; torch threads {threads}; "
+        f"load average (1/5/15 min) at start {load_start}, at end {load_end}"
+    )
+    notes = (
+        f"Measured with `fsd calibrate` through FSDEngine.step(): acceptance at temperature "
+        f"{settings.temperature}, rule {settings.rule}, batch {settings.acceptance_batch_size}, "
+        f"{settings.prompts} prompts x {settings.max_new_tokens} tokens per grid point; latency at batch sizes "
+        f"{list(settings.batch_sizes)}, k {list(settings.ks)}, {settings.timing_iterations} timed steps each, "
+        f"{settings.timing_prompt_tokens}-token prompts. Acceptance/distortion are isotonic (in T) fits of "
+        f"the raw counts; verify_* include the step's bookkeeping overhead. Raw data: `calibration`. "
+        f"Took {wall:.0f} s. Timings depend on machine load (see machine)."
+    )
+    try:
+        return Profile(
+            provenance=Provenance(
+                pair=f"{pair.name}: {pair.description}" if getattr(pair, "description", "") else str(pair.name),
+                dtype=_describe_dtypes(pair),
+                machine=machine,
+                torch_version=torch.__version__,
+                transformers_version=transformers.__version__,
+                date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                source="calibrated",
+                notes=notes,
+                command=command,
+            ),
+            default_div=settings.profile_div,
+            default_k=settings.profile_k,
+            acceptance=points,
+            latency=fit.model,
+            calibration=record.model_dump(mode="json"),
+        )
+    except ValidationError as exc:  # a bug here, not bad input: say what broke
+        raise ValueError(f"calibration produced an invalid profile: {exc}") from exc
+
+
+def headline(profile: Profile) -> dict[str, Any]:
+    """The numbers worth printing: acceptance and tokens/iteration per T at the default (div, k), and
+    iteration time per batch size."""
+    div, k = profile.default_div, profile.default_k
+    lat = profile.latency
+    return {
+        "pair": profile.provenance.pair,
+        "div": div,
+        "k": k,
+        "per_threshold": [
+            {
+                "T": float(t),
+                "acceptance_rate": round(profile.expected_acceptance_rate(div, float(t), k), 4),
+                "tokens_per_iteration": round(profile.expected_tokens_per_iter(div, float(t), k), 3),
+                "mean_distortion": round(profile.mean_distortion(div, float(t), k), 4),
+            }
+            for t in profile.thresholds(div, k)
+        ],
+        "iteration_ms": {str(b): round(float(lat.iteration_ms(b, k)), 1) for b in (1, 2, 4, 8)},
+        "prefill_ms_per_token": round(lat.prefill_ms_per_token, 3),
+        "prefill_fixed_ms": round(lat.prefill_fixed_ms, 2),
+    }

@@ -1,0 +1,140 @@
+"""``fsd calibrate``: measure a model pair with the real engine and write the simulator's profile.
+
+Examples::
+
+    fsd calibrate --pair smollm2-135m --out sim/profiles/smollm2-135m.json        # full (~5-10 min, 2 cores)
+    fsd calibrate --pair smollm2-135m --out /tmp/quick.json --quick               # smoke (< 1 min)
+    fsd calibrate --pair smollm2-135m --out p.json --divs kl --ks 4 --thresholds kl=0,0.5,1,2
+
+The headline numbers (acceptance and tokens per iteration per T, iteration time per batch size) are
+printed as JSON on stdout; the progress bar goes to stderr. See docs/calibration.md and
+controller/calibration.py for what is measured and how it is fitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure acceptance, distortion and latency of a model pair and write a simulator profile",
+        description="Sweep div x T x k x batch size through the engine's step API and write the Profile JSON "
+        "the simulator reads (sim/profile.py).",
+    )
+    parser.add_argument("--pair", default="smollm2-135m", help="pair name (see `fsd models list`) or 'tiny'")
+    parser.add_argument("--out", required=True, type=Path, help="where to write the profile JSON")
+    parser.add_argument("--quick", action="store_true", help="smoke run: kl only, k=4, coarse grid (< 1 min)")
+    parser.add_argument("--divs", help="comma-separated divergences (default kl,js,draft_tokens)")
+    parser.add_argument(
+        "--thresholds",
+        action="append",
+        metavar="[DIV=]T1,T2,...",
+        help="T grid, for one div (DIV=...) or for all; repeatable; T=0 is always added",
+    )
+    parser.add_argument("--ks", help="comma-separated draft lengths (default 2,4,6)")
+    parser.add_argument("--batch-sizes", help="comma-separated batch sizes for timing (default 1,2,4,8)")
+    parser.add_argument("--prompts", type=int, help="prompts per acceptance grid point (default 6, max 16)")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens per acceptance request (default 40)")
+    parser.add_argument("--timing-iterations", type=int, help="timed steps per (k, batch size) (default 6)")
+    parser.add_argument(
+        "--temperature", type=float, help="sampling temperature (default 1.0, the serving API's default)"
+    )
+    parser.add_argument("--rule", choices=("reducible", "pure"), help="acceptance rule (default reducible)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1, a serving replica's default)"
+    )
+    parser.add_argument("--dtype", help="target dtype override (fp32, bf16, ...)")
+    parser.add_argument("--draft-dtype", help="draft dtype override (a float dtype or int8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The CalibrationSettings the flags describe (ValueError naming a bad flag)."""
+    from controller.calibration import CalibrationSettings
+
+    overrides: dict[str, Any] = {"seed": args.seed}
+    if args.divs:
+        overrides["divs"] = tuple(d.strip() for d in args.divs.split(",") if d.strip())
+    if args.ks:
+        overrides["ks"] = _int_list(args.ks, "--ks")
+    if args.batch_sizes:
+        overrides["batch_sizes"] = _int_list(args.batch_sizes, "--batch-sizes")
+    for name in ("prompts", "max_new_tokens", "timing_iterations", "temperature", "rule"):
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = value
+    base = CalibrationSettings.quick() if args.quick else CalibrationSettings()
+    grids = dict(base.thresholds)
+    divs = overrides.get("divs", base.divs)
+    for spec in args.thresholds or []:
+        div, sep, values = spec.partition("=")
+        if sep:
+            grids[div.strip()] = _float_list(values, "--thresholds")
+        else:
+            for d in divs:
+                grids[d] = _float_list(spec, "--thresholds")
+    overrides["thresholds"] = grids
+    data = base.model_dump()
+    data.update(overrides)
+    return CalibrationSettings.from_dict(data)
+
+
+def load_named_pair(name: str, dtype: str | None = None, draft_dtype: str | None = None) -> Any:
+    """A shipped pair by name, or ``tiny`` (the random test pair, for smoke runs)."""
+    from decoder.models import load_pair, tiny_pair
+
+    if name == "tiny":
+        return tiny_pair()
+    return load_pair(name, dtype=dtype, draft_dtype=draft_dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    settings = settings_from_args(args)
+    out: Path = args.out
+    if not out.parent.exists():
+        raise ValueError(f"--out: directory {str(out.parent)!r} does not exist")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+
+    import torch
+
+    from controller.calibration import calibrate, headline
+
+    torch.set_num_threads(args.threads)
+    log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"fsd calibrate: {msg}", file=sys.stderr))
+    log(f"loading pair {args.pair} ...")
+    pair = load_named_pair(args.pair, args.dtype, args.draft_dtype)
+    if sys.argv[1:2] == ["calibrate"]:
+        command = shlex.join(["fsd", *sys.argv[1:]])
+    else:  # called in-process (tests, scripts): say so, with the parsed flags
+        flags = {k: str(v) for k, v in vars(args).items() if k not in ("func", "command")}
+        command = f"fsd calibrate (in-process) {flags}"
+    profile = calibrate(pair, settings, command=command, progress=not args.no_progress, log=log)
+    profile.save(out)
+    log(f"wrote {out}")
+    print(json.dumps(headline(profile), indent=2))
+    return 0

@@ -35,7 +35,7 @@ class RequestTable:
 
     @property
     def completed(self) -> np.ndarray:
-        return ~np.isnan(self.completion_s)
+        return np.asarray(~np.isnan(self.completion_s), dtype=bool)
 
 
 class WindowBins:

@@ -30,7 +30,8 @@ def result_json(result: SimResult, include_timeseries: bool = True) -> dict[str,
     out: dict[str, Any] = {"summary": result.summary, "meta": result.meta}
     if include_timeseries:
         out["timeseries"] = result.timeseries
-    return _clean(out)
+    cleaned: dict[str, Any] = _clean(out)
+    return cleaned
 
 
 def write_json(result: SimResult, path: str | Path, include_timeseries: bool = True) -> None:
@@ -43,7 +44,7 @@ def write_records(result: SimResult, path: str | Path) -> None:
     """Per-request columns as a compressed .npz (one array per column)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, **result.records)
+    np.savez_compressed(path, **result.records)  # type: ignore[arg-type]
 
 
 def _binned(t: np.ndarray, v: np.ndarray, edges: np.ndarray) -> np.ndarray:

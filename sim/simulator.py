@@ -471,7 +471,7 @@ class Simulator:
         done = np.flatnonzero(t.completed)
         met = np.zeros(t.n, dtype=bool)
         met[done] = slo_met(t, done, self.slo)
-        records = {
+        records: dict[str, np.ndarray] = {
             "arrival_s": t.arrival_s,
             "tier": t.tier,
             "prompt_tokens": t.prompt_tokens,

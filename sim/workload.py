@@ -301,7 +301,7 @@ class Workload(_Strict):
         ops = ops[ops < total]
         # Λ is non-decreasing; flat stretches (rate 0) never receive an arrival since np.interp maps
         # values on a plateau's boundary to its left end.
-        return np.interp(ops, cum, grid)
+        return np.asarray(np.interp(ops, cum, grid), dtype=np.float64)
 
     def _trace_columns(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
         a = self.arrivals

@@ -253,3 +253,20 @@ def test_decision_draft_length_applies_when_the_profile_has_it() -> None:
     ignored = run_sim(w, _WantsDraftLength(5), replicas=2, seed=1)
     assert ignored.meta["draft_length"] == 4
     assert any("draft lengths [5]" in n for n in ignored.meta["notes"])
+
+
+def test_autoscaler_scales_down_after_the_delay_and_drains_without_losing_work() -> None:
+    w = make_workload(duration_s=500.0, arrivals={"kind": "step", "steps": [{"at_s": 0, "rate": 2.0},
+                                                                             {"at_s": 150, "rate": 0.05}]})
+    auto = AutoscalerConfig(min_replicas=1, max_replicas=6, target_ongoing_requests=2,
+                            upscale_delay_s=2, downscale_delay_s=60, startup_s=5)
+    res = run_sim(w, replicas=4, autoscaler=auto, seed=3)
+    t = np.asarray(res.timeseries["time_s"])
+    reps = np.asarray(res.timeseries["replicas"])
+    assert reps[(t > 20) & (t < 150)].max() >= 4
+    assert reps[t > 400].max() < reps[(t > 20) & (t < 150)].max()
+    # The load falls at 150 s; nothing may go before the 60 s downscale delay has passed.
+    first_down = t[np.argmax((t > 150) & (reps < reps[t < 150][-1]))]
+    assert first_down >= 150 + 60
+    s = res.summary
+    assert s["completed"] + s["rejected"] == s["requests"] and s["unfinished"] == 0

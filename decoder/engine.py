@@ -552,6 +552,8 @@ class FSDEngine:
     def _text(self, r: _Request) -> str:
         if r.stop_text is not None:
             return r.stop_text
+        if self.pair.tokenizer is None:  # decoder.generate without a tokenizer: ids only
+            return ""
         return str(self.pair.tokenizer.decode(r.output_ids, skip_special_tokens=True))
 
     def _drop_rows(self, indices: list[int]) -> None:

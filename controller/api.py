@@ -186,17 +186,23 @@ class FSDIngress:
         if not hmac.compare_digest(token.strip().encode(), self._admin_token.encode()):
             raise HTTPError(403, "invalid admin token")
 
-    def _overloaded(self, message: str) -> HTTPError:
-        with _suppress_all():
-            self._controller.record_rejections.remote(1)
+    def _overloaded(self, message: str, count: bool = True) -> HTTPError:
+        if count:  # refused by Serve's queue before any replica saw it: tell the controller
+            with _suppress_all():
+                self._controller.record_rejections.remote(1)
         return HTTPError(503, message, code="overloaded",
                          headers={"Retry-After": str(self._cfg.http.retry_after_s)})
 
     async def _start(self, payload: dict[str, Any]) -> _Stream:
         """Send a request to a replica and read its first chunk (``start`` or ``error``)."""
+        generator = None
         try:
             generator = self._replicas.options(stream=True).generate.remote(payload)
             first = await generator.__anext__()
+        except asyncio.CancelledError:  # deadline or client gone before the first chunk: free the replica
+            if generator is not None:
+                generator.cancel()
+            raise
         except StopAsyncIteration:
             raise HTTPError(502, "replica closed the stream without answering") from None
         except Exception as exc:
@@ -209,8 +215,8 @@ class FSDIngress:
             raise HTTPError(500, f"replica error: {type(exc).__name__}: {exc}") from None
         if first.get("type") == "error":
             status = int(first["status"])
-            if status == 503:
-                raise self._overloaded(first["message"])
+            if status == 503:  # the replica already counted this rejection
+                raise self._overloaded(first["message"], count=False)
             raise HTTPError(status, first["message"], first.get("param"), first.get("code"))
         return _Stream(generator, first)
 

@@ -33,15 +33,38 @@ class RayServe:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _start_cluster(attempts: int = 3) -> None:
+    """Start a fresh local cluster and check it runs a task.
+
+    On a saturated machine a raylet can die at start-up (it waits a bounded time for its metrics
+    agent); that is the environment, not the code under test, so start-up is retried.
+    """
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def ping() -> int:
+        return 1
+
+    for attempt in range(1, attempts + 1):
+        # address="local": always a fresh cluster, never one a stray `ray start` left behind.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+                 log_to_driver=False)
+        try:
+            if ray.get(ping.remote(), timeout=120) == 1:
+                return
+        except Exception:
+            if attempt == attempts:
+                raise
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def ray_serve() -> Iterator[RayServe]:
     import ray
     from ray import serve
 
     port = free_port()
-    # address="local": always a fresh cluster, never one a stray `ray start` left behind.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    _start_cluster()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield RayServe(port)

@@ -120,6 +120,22 @@ def test_generate_text_stops_at_stop_string(pair: ModelPair) -> None:
         generate_text(pair, "  ")
 
 
+def test_cli_generate_prints_text_and_stats(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from controller.cli import main
+
+    argv = ["generate", "--pair", "tiny", "--threshold", "0.5", "-k", "3", "--max-new-tokens", "12", "--seed", "1"]
+    assert main([*argv, "--json", "hello"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["tokens"] == 12 or stats["finish_reason"] == "stop"
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["k"] == 3 and stats["threshold"] == 0.5
+    assert main([*argv, "hello"]) == 0
+    assert "tokens/iteration" in capsys.readouterr().out
+    assert main(["generate", "--pair", "tiny", "--div", "hellinger", "hello"]) == 2
+    assert "hellinger" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_real_pair_greedy_exact_and_fuzzy_accepts_more() -> None:
     from decoder.models import load_pair

@@ -41,9 +41,10 @@ Latency (per ``k`` and batch size ``B``)
 
     - draft  ``= k · (draft_a + draft_b · B)``
     - verify + overhead ``= verify_a + verify_b · B + verify_c · k · B``
-    - prefill ``= prefill_fixed · requests + prefill_per_token · prompt tokens`` (the engine prefills
-      each joining request on its own, target and draft; the simulator charges ``prefill_fixed`` once
-      per group of joiners).
+    - prefill ``= prefill_fixed + prefill_per_token · prompt tokens`` per admission step (the engine
+      prefills all joining requests in one left-padded batch on each model, as the simulator charges
+      one prefill per group of joiners). Points: the timing runs' admissions of B equal prompts, and
+      single prompts of ``prefill_lengths`` tokens.
 
 The sampling temperature defaults to 1.0, the serving API's default (OpenAI's), because acceptance
 depends on it; the profile records it.
@@ -115,6 +116,9 @@ class CalibrationSettings(BaseModel):
         default_factory=lambda: dict(DEFAULT_THRESHOLDS), description="T grid per div (T = 0 is always added)"
     )
     ks: tuple[int, ...] = (2, 4, 6)
+    acceptance_ks: tuple[int, ...] | None = Field(
+        None, description="draft lengths of the acceptance sweep (None: ks); timing always sweeps ks"
+    )
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     prompts: int = Field(6, ge=1, le=len(CALIBRATION_PROMPTS), description="prompts per grid point")
     max_new_tokens: int = Field(40, ge=2, description="tokens per acceptance request")
@@ -141,9 +145,11 @@ class CalibrationSettings(BaseModel):
             raise ValueError(f"duplicate divergence in {v}")
         return v
 
-    @field_validator("ks", "batch_sizes", "prefill_lengths")
+    @field_validator("ks", "acceptance_ks", "batch_sizes", "prefill_lengths")
     @classmethod
-    def _positive_ints(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+    def _positive_ints(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return v
         if not v:
             raise ValueError("must not be empty")
         for x in v:
@@ -169,9 +175,13 @@ class CalibrationSettings(BaseModel):
                 raise ValueError(f"thresholds: no T grid for divergence {div!r}")
         if self.default_div is not None and self.default_div not in self.divs:
             raise ValueError(f"default_div {self.default_div!r} is not among divs {self.divs}")
-        if self.default_k is not None and self.default_k not in self.ks:
-            raise ValueError(f"default_k {self.default_k} is not among ks {self.ks}")
+        if self.default_k is not None and self.default_k not in self.swept_acceptance_ks:
+            raise ValueError(f"default_k {self.default_k} is not among the acceptance ks {self.swept_acceptance_ks}")
         return self
+
+    @property
+    def swept_acceptance_ks(self) -> tuple[int, ...]:
+        return self.acceptance_ks if self.acceptance_ks is not None else self.ks
 
     @classmethod
     def quick(cls, **overrides: Any) -> CalibrationSettings:
@@ -209,7 +219,8 @@ class CalibrationSettings(BaseModel):
     def profile_k(self) -> int:
         if self.default_k is not None:
             return self.default_k
-        return 4 if 4 in self.ks else self.ks[len(self.ks) // 2]
+        ks = self.swept_acceptance_ks
+        return 4 if 4 in ks else ks[len(ks) // 2]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -424,10 +435,9 @@ def fit_latency(samples: Sequence[LatencySample]) -> LatencyFit:
     draft_a, draft_b = _nnls(draft_design, draft)
     verify_a, verify_b, verify_c = _nnls(verify_design, verify)
 
-    req = np.array([s.batch for s in prefill], dtype=float)
     tok = np.array([s.tokens for s in prefill], dtype=float)
     pre = np.array([s.prefill_ms for s in prefill])
-    prefill_fixed, prefill_per_token = _nnls(np.stack([req, tok], axis=1), pre)
+    prefill_fixed, prefill_per_token = _nnls(np.stack([np.ones_like(tok), tok], axis=1), pre)
 
     model = LatencyModel(
         draft_a_ms=float(draft_a),
@@ -441,7 +451,7 @@ def fit_latency(samples: Sequence[LatencySample]) -> LatencyFit:
     draft_pred = draft_design @ np.array([draft_a, draft_b])
     verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])
     iteration_pred = np.array([float(model.iteration_ms(int(s.batch), int(s.k))) for s in decode])
-    prefill_pred = req * prefill_fixed + tok * prefill_per_token
+    prefill_pred = prefill_fixed + tok * prefill_per_token
     quality = FitQuality(
         draft_max_rel_error=_max_rel_error(draft_pred, draft),
         verify_max_rel_error=_max_rel_error(verify_pred, verify),
@@ -552,13 +562,14 @@ def measure_acceptance(
 ) -> list[AcceptanceSample]:
     """Run the (div × k × T × prompt) sweep through the engine's step API; raw counts per grid point."""
     prompts = _prompt_ids(pair, settings)
-    total = sum(len(settings.thresholds[d]) for d in settings.divs) * len(settings.ks) * len(prompts)
+    ks = settings.swept_acceptance_ks
+    total = sum(len(settings.thresholds[d]) for d in settings.divs) * len(ks) * len(prompts)
     bar = _Progress(progress, total * settings.max_new_tokens, "acceptance")
     samples: list[AcceptanceSample] = []
     try:
         for div in settings.divs:
             grid = settings.thresholds[div]
-            for k in settings.ks:
+            for k in ks:
                 bar.update(0, desc=f"acceptance {div} k={k}")
                 engine = _engine(pair, settings, div, k, settings.acceptance_batch_size)
                 counts = {t: _Counts(k) for t in grid}
@@ -777,7 +788,8 @@ def calibrate(
     notes = (
         f"Measured with `fsd calibrate` through FSDEngine.step(): acceptance at temperature "
         f"{settings.temperature}, rule {settings.rule}, batch {settings.acceptance_batch_size}, "
-        f"{settings.prompts} prompts x {settings.max_new_tokens} tokens per grid point; latency at batch sizes "
+        f"{settings.prompts} prompts x {settings.max_new_tokens} tokens per grid point, k "
+        f"{list(settings.swept_acceptance_ks)}; latency at batch sizes "
         f"{list(settings.batch_sizes)}, k {list(settings.ks)}, {settings.timing_iterations} timed steps each, "
         f"{settings.timing_prompt_tokens}-token prompts. Acceptance/distortion are isotonic (in T) fits of "
         f"the raw counts; verify_* include the step's bookkeeping overhead. Raw data: `calibration`. "

@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="T grid, for one div (DIV=...) or for all; repeatable; T=0 is always added",
     )
     parser.add_argument("--ks", help="comma-separated draft lengths (default 2,4,6)")
+    parser.add_argument(
+        "--acceptance-ks", help="draft lengths of the acceptance sweep only (default: --ks); timing sweeps --ks"
+    )
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes for timing (default 1,2,4,8)")
     parser.add_argument("--prompts", type=int, help="prompts per acceptance grid point (default 6, max 16)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per acceptance request (default 40)")
@@ -79,6 +82,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         overrides["divs"] = tuple(d.strip() for d in args.divs.split(",") if d.strip())
     if args.ks:
         overrides["ks"] = _int_list(args.ks, "--ks")
+    if args.acceptance_ks:
+        overrides["acceptance_ks"] = _int_list(args.acceptance_ks, "--acceptance-ks")
     if args.batch_sizes:
         overrides["batch_sizes"] = _int_list(args.batch_sizes, "--batch-sizes")
     for name in ("prompts", "max_new_tokens", "timing_iterations", "temperature", "rule"):

@@ -121,7 +121,7 @@ def _latency_points(da: float, db: float, va: float, vb: float, vc: float, pf: f
                                      draft_ms=k * (da + db * b), verify_ms=0.8 * (va + vb * b + vc * k * b),
                                      overhead_ms=0.2 * (va + vb * b + vc * k * b)))
     for req, tok in ((1, 16), (1, 256), (4, 512), (2, 100)):
-        pts.append(LatencySample(phase="prefill", k=0, batch=req, tokens=tok, n=1, prefill_ms=pf * req + pt * tok))
+        pts.append(LatencySample(phase="prefill", k=0, batch=req, tokens=tok, n=1, prefill_ms=pf + pt * tok))
     return pts
 
 

@@ -1,0 +1,568 @@
+"""Simulator fidelity: the same seeded workload on the real Ray Serve deployment and in the simulator.
+
+For each scenario (``steady``: Poisson at ``--rate``; ``step``: Poisson at ``--step-rates`` low → high →
+low) the seeded request list (arrival times, prompt and output lengths, from ``sim.workload``) is
+
+(a) replayed open-loop against the real service (``controller.runtime.Service``: Ray Serve on loopback,
+    the FSD replica, the controller running ``--policy``), streaming completions and timing each
+    request at the client: TTFT = first content chunk − send, TPOT = (last − first chunk) / (tokens − 1),
+    E2E = end of stream − send; T per tier sampled from ``/v1/fsd/status`` every control interval;
+(b) simulated with the calibrated profile, the same policy spec, SLO, control interval, batch size and
+    k, and exactly the requests the real run saw: the same send times, the prompt and output token
+    counts the service reported (``usage``), so early eos stops are replayed, not guessed.
+
+It compares output-token throughput and p50/p95 of TTFT, TPOT and E2E (relative error of the sim
+against the real run) and the T trajectories, and decomposes the error with the replica's own
+counters (read through a Serve handle before and after each scenario): the real mean decode step
+time at the real mean batch size against the profile's latency model, real tokens per row-iteration
+against the profile's acceptance at the T the requests ran with, and the HTTP round trip (idle
+``/healthz`` probe). JSON on stdout and ``--out``; overlay plot ``--png``.
+
+Smoke (tiny random pair and a profile calibrated for it; ~2-3 min)::
+
+    fsd calibrate --pair tiny --quick --out results/tiny_profile.json
+    .venv/bin/python benchmarks/fidelity.py --pair tiny --profile results/tiny_profile.json \\
+        --duration-s 20 --rate 4 --step-rates 2,8 --out results/fidelity_tiny.json
+
+Real figures (default pair with its shipped profile; ~6 min on a quiet machine)::
+
+    .venv/bin/python benchmarks/fidelity.py --duration-s 120 --rate 0.6 --step-rates 0.3,1.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REPO = Path(__file__).resolve().parents[1]
+MEASURED_PROFILE = REPO / "sim" / "profiles" / "smollm2-135m.json"
+
+# Prompt filler: common one-token English words (for BPE vocabularies with a leading-space token per
+# word, n words ≈ n tokens; the service reports the exact count, which is what the simulator gets).
+_WORDS = tuple(
+    "the of and to in is was for on that with as by at from his her an they which you one had not but "
+    "what all were when we there can more if no out so said up its about into than them only other new "
+    "some could time these two may then do first any my now such like our over man me even most made "
+    "after also did many before must through back years where much your way well down should because "
+    "each just those people how too little state good very make world still own see men work long get "
+    "here between both life being under never day same another know while last might us great old year"
+).split()
+
+METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------------------------------
+
+
+def scenario_workload(name: str, args: argparse.Namespace) -> Any:
+    """The seeded ``sim.workload.Workload`` of a scenario."""
+    from sim.workload import Workload
+
+    if name == "steady":
+        arrivals: dict[str, Any] = {"kind": "poisson", "rate": args.rate}
+    elif name == "step":
+        low, high = args.step_rates
+        third = args.duration_s / 3
+        arrivals = {"kind": "step", "steps": [{"at_s": 0.0, "rate": low}, {"at_s": third, "rate": high},
+                                              {"at_s": 2 * third, "rate": low}]}
+    else:
+        raise ValueError(f"unknown scenario {name!r}; expected steady or step")
+    return Workload.from_dict({
+        "name": name,
+        "duration_s": args.duration_s,
+        "arrivals": arrivals,
+        "prompt_tokens": {"kind": "uniform", "low": args.prompt_tokens[0], "high": args.prompt_tokens[1]},
+        "output_tokens": {"kind": "uniform", "low": args.output_tokens[0], "high": args.output_tokens[1]},
+        "max_context": args.max_context,
+    })
+
+
+def prompt_text(n_tokens: int, i: int) -> str:
+    """About ``n_tokens`` tokens of filler text, different per request."""
+    return " ".join(_WORDS[(i * 7 + j * 13) % len(_WORDS)] for j in range(max(1, n_tokens)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# (a) the real service
+# ---------------------------------------------------------------------------------------------------
+
+
+async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens: int, max_tokens: int,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+    body = {"prompt": prompt_text(prompt_tokens, i), "max_tokens": max_tokens, "temperature": args.temperature,
+            "seed": args.seed * 100_003 + i, "stream": True, "fsd": {"tier": args.tier}}
+    sent = time.monotonic()
+    rec: dict[str, Any] = {"i": i, "scheduled_s": at, "arrival_s": sent - t0, "status": None,
+                           "max_tokens": max_tokens, "prompt_tokens_asked": prompt_tokens}
+    first = last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["status"] = chunk["error"].get("code", 500)
+                    continue
+                now = time.monotonic()
+                if chunk["choices"][0].get("text"):
+                    first = first or now
+                    last = now
+                if "usage" in chunk:
+                    rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                    rec["output_tokens"] = chunk["usage"]["completion_tokens"]
+                    rec["fsd"] = chunk.get("fsd")
+    except Exception as exc:  # recorded, never hidden
+        rec["status"] = type(exc).__name__
+        return rec
+    done = time.monotonic()
+    rec["e2e_ms"] = (done - sent) * 1e3
+    if first is not None:
+        rec["ttft_ms"] = (first - sent) * 1e3
+        n = rec.get("output_tokens", 0)
+        rec["tpot_ms"] = (last - first) * 1e3 / (n - 1) if n > 1 and last is not None else None
+    return rec
+
+
+async def _replay(url: str, requests: Any, policy: dict[str, Any], args: argparse.Namespace,
+                  token: str) -> dict[str, Any]:
+    import httpx
+
+    auth = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout),
+                                 limits=httpx.Limits(max_connections=1024)) as client:
+        (await client.put("/v1/fsd/policy", json=policy, headers=auth)).raise_for_status()
+        for _ in range(int(60 / args.interval)):  # the previous scenario's queue drains first
+            tel = (await client.get("/v1/fsd/status", params={"history": 0})).json().get("telemetry") or {}
+            if not tel.get("in_flight"):
+                break
+            await asyncio.sleep(args.interval)
+        await asyncio.sleep(2 * args.interval)
+        t0 = time.monotonic()
+        samples: list[dict[str, Any]] = []
+        done = asyncio.Event()
+
+        async def sample_thresholds() -> None:
+            while not done.is_set():
+                try:
+                    st = (await client.get("/v1/fsd/status", params={"history": 0})).json()
+                    samples.append({"t_s": time.monotonic() - t0, "thresholds": st["thresholds"]})
+                except Exception:  # a missed sample is a gap in the plot, not a failure
+                    pass
+                await asyncio.sleep(args.interval)
+
+        sampler = asyncio.create_task(sample_thresholds())
+        records = await asyncio.gather(*(
+            _one_request(client, t0, float(requests.arrival_s[i]), i, int(requests.prompt_tokens[i]),
+                         int(requests.output_tokens[i]), args)
+            for i in range(len(requests))
+        ))
+        done.set()
+        await sampler
+    return {"records": list(records), "t_samples": samples}
+
+
+def _replica_counters(app_name: str) -> dict[str, Any] | None:
+    """Cumulative counters of the (single) replica, without draining its records."""
+    try:
+        from ray import serve
+
+        from controller.app import REPLICA_DEPLOYMENT
+
+        handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app_name)
+        return dict(handle.stats.remote(drain=False).result(timeout_s=30)["counters"])
+    except Exception as exc:  # the decomposition is optional; the comparison still stands
+        print(f"fidelity: replica counters unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def _http_round_trip_ms(url: str, n: int = 20) -> float:
+    import httpx
+
+    times = []
+    with httpx.Client(base_url=url, timeout=10.0) as client:
+        for _ in range(n):
+            t = time.monotonic()
+            client.get("/healthz")
+            times.append((time.monotonic() - t) * 1e3)
+    return float(np.median(times))
+
+
+# ---------------------------------------------------------------------------------------------------
+# (b) the simulator
+# ---------------------------------------------------------------------------------------------------
+
+
+def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy: dict[str, Any],
+             tier_names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Run the simulator on exactly the requests the real run saw."""
+    from policies.registry import make_policy
+    from sim.simulator import SimConfig, Simulator
+    from sim.workload import Requests
+
+    recs = sorted(real_records, key=lambda r: r["arrival_s"])
+    arrival = np.array([r["arrival_s"] for r in recs])
+    # Requests the service did not answer keep their asked lengths (they still loaded the queue).
+    prompt = np.array([r.get("prompt_tokens", r["prompt_tokens_asked"]) for r in recs], dtype=np.int64)
+    output = np.array([max(1, r.get("output_tokens", r["max_tokens"])) for r in recs], dtype=np.int64)
+    tier = np.full(len(recs), tier_names.index(args.tier), dtype=np.int16)
+    requests = Requests(arrival, prompt, output, tier, tuple(tier_names))
+    k = args.k
+    cfg = SimConfig(seed=args.seed, replicas=args.replicas, max_batch=args.max_batch, max_queue=args.max_queued,
+                    routing="least_loaded", control_interval_s=args.interval, push_delay_s=0.005,
+                    div=args.div, k=k, drain_timeout_s=args.request_timeout)
+    pol = make_policy(policy, slo, speed_curve=profile.to_speed_curve(args.div, k),
+                      latency_model=profile.to_latency_model(k))
+    result = Simulator(cfg, profile, slo, requests, pol).run()
+    t = result.records
+    done = ~np.isnan(t["completion_s"]) & ~t["rejected"]
+    out = []
+    for j in range(len(recs)):
+        rec: dict[str, Any] = {"arrival_s": float(t["arrival_s"][j]), "output_tokens": int(t["output_tokens"][j]),
+                               "status": 200 if done[j] else ("rejected" if t["rejected"][j] else "unfinished")}
+        if done[j]:
+            a, f, c, n = t["arrival_s"][j], t["first_token_s"][j], t["completion_s"][j], t["output_tokens"][j]
+            rec["ttft_ms"] = float((f - a) * 1e3)
+            rec["tpot_ms"] = float((c - f) * 1e3 / (n - 1)) if n > 1 else None
+            rec["e2e_ms"] = float((c - a) * 1e3)
+        out.append(rec)
+    ts = result.timeseries
+    samples = [{"t_s": float(x), "thresholds": {name: float(ts[f"T_{name}"][i]) for name in tier_names}}
+               for i, x in enumerate(ts.get("time_s", []))]
+    return {"records": out, "t_samples": samples, "summary": result.summary, "iterations": result.iterations}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Comparison
+# ---------------------------------------------------------------------------------------------------
+
+
+def summarise(records: list[dict[str, Any]], duration_s: float) -> dict[str, Any]:
+    """Throughput and p50/p95 of TTFT, TPOT, E2E over the completed requests."""
+    ok = [r for r in records if r["status"] == 200 and r.get("e2e_ms") is not None]
+    out: dict[str, Any] = {"requests": len(records), "completed": len(ok)}
+    for metric in METRICS:
+        vals = [r[metric] for r in ok if r.get(metric) is not None]
+        out[metric] = {f"p{q}": float(np.percentile(vals, q)) if vals else None for q in (50, 95)}
+    tokens = sum(r.get("output_tokens", 0) for r in ok)
+    # Throughput over the span from the first arrival to the last completion (both legs alike).
+    if ok:
+        start = min(r["arrival_s"] for r in ok)
+        end = max(r["arrival_s"] + r["e2e_ms"] / 1e3 for r in ok)
+        out["output_tokens_per_s"] = tokens / max(end - start, 1e-9)
+    else:
+        out["output_tokens_per_s"] = None
+    out["output_tokens"] = tokens
+    out["duration_s"] = duration_s
+    return out
+
+
+def _rel(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return (sim - real) / real
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    """Relative error of the simulator against the real run, (sim − real) / real."""
+    err: dict[str, Any] = {"output_tokens_per_s": _rel(sim["output_tokens_per_s"], real["output_tokens_per_s"])}
+    for metric in METRICS:
+        for q in ("p50", "p95"):
+            err[f"{metric}_{q}"] = _rel(sim[metric][q], real[metric][q])
+    return err
+
+
+def threshold_trajectory_error(real: list[dict[str, Any]], sim: list[dict[str, Any]], tier: str,
+                               end_s: float) -> dict[str, float | None]:
+    """Mean |T_sim − T_real| over time, both as step functions sampled on a 0.1 s grid."""
+    if not real or not sim:
+        return {"mean_abs_diff": None, "real_mean": None, "sim_mean": None}
+    grid = np.arange(0.0, end_s, 0.1)
+
+    def steps(samples: list[dict[str, Any]]) -> np.ndarray:
+        t = np.array([s["t_s"] for s in samples])
+        v = np.array([s["thresholds"].get(tier, 0.0) for s in samples])
+        idx = np.clip(np.searchsorted(t, grid, side="right") - 1, 0, len(v) - 1)
+        return v[idx]
+
+    r, s = steps(real), steps(sim)
+    return {"mean_abs_diff": float(np.abs(r - s).mean()), "real_mean": float(r.mean()), "sim_mean": float(s.mean())}
+
+
+def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, profile: Any,
+                  real_records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any] | None:
+    """Where the simulator's error comes from, from the replica's counters over the scenario."""
+    if before is None or after is None:
+        return None
+    d = {key: after[key] - before[key] for key in ("iterations", "row_iterations", "busy_time_s", "draft_time_s",
+                                                     "verify_time_s", "prefill_time_s", "prefill_tokens",
+                                                     "output_tokens", "drafted", "accepted")}
+    if d["iterations"] <= 0 or d["row_iterations"] <= 0:
+        return None
+    lat = profile.latency
+    k = args.k
+    mean_batch = d["row_iterations"] / d["iterations"]
+    decode_ms = (d["busy_time_s"] - d["prefill_time_s"]) * 1e3 / d["iterations"]
+    predicted_ms = float(lat.iteration_ms(mean_batch, k))  # the model is linear in B: exact in the mean
+    ok = [r for r in real_records if r.get("fsd")]
+    mean_t = float(np.mean([r["fsd"]["threshold"] for r in ok])) if ok else 0.0
+    real_tokens = d["output_tokens"] / d["row_iterations"]
+    predicted_tokens = profile.expected_tokens_per_iter(args.div, mean_t, k)
+    prefill_calls = max(1, sum(1 for _ in ok))  # upper bound on admissions: one per request
+    return {
+        "iterations": d["iterations"],
+        "mean_batch": mean_batch,
+        "decode_step_ms_real": decode_ms,
+        "decode_step_ms_profile": predicted_ms,
+        "decode_step_rel_error": _rel(predicted_ms, decode_ms),
+        "draft_ms_per_step_real": d["draft_time_s"] * 1e3 / d["iterations"],
+        "verify_and_overhead_ms_per_step_real": (d["busy_time_s"] - d["prefill_time_s"] - d["draft_time_s"])
+        * 1e3 / d["iterations"],
+        "mean_threshold": mean_t,
+        "tokens_per_row_iteration_real": real_tokens,
+        "tokens_per_row_iteration_profile": predicted_tokens,
+        "tokens_per_iteration_rel_error": _rel(predicted_tokens, real_tokens),
+        "prefill_ms_real_total": d["prefill_time_s"] * 1e3,
+        "prefill_ms_profile_total_upper": lat.prefill_fixed_ms * prefill_calls
+        + lat.prefill_ms_per_token * d["prefill_tokens"],
+        "acceptance_rate_real": d["accepted"] / d["drafted"] if d["drafted"] else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------------------------------
+
+
+def plot(scenarios: list[dict[str, Any]], tier: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(scenarios)
+    fig, axes = plt.subplots(3, n, figsize=(6 * n, 9), squeeze=False)
+    for col, sc in enumerate(scenarios):
+        ax_t, ax_l, ax_c = axes[0, col], axes[1, col], axes[2, col]
+        for leg, style in (("real", "-"), ("sim", "--")):
+            data = sc[leg]
+            ax_t.step([s["t_s"] for s in data["t_samples"]], [s["thresholds"].get(tier, 0.0) for s in data["t_samples"]],
+                      where="post", ls=style, label=leg)
+            pts = sorted((r["arrival_s"] + r["e2e_ms"] / 1e3, r["tpot_ms"]) for r in data["records"]
+                         if r["status"] == 200 and r.get("tpot_ms") is not None)
+            window = max(2.0, sc["duration_s"] / 12)
+            xs, ys = [], []
+            t = window
+            while t <= sc["duration_s"] + window:
+                vals = [v for done, v in pts if t - window < done <= t]
+                if vals:
+                    xs.append(t)
+                    ys.append(float(np.percentile(vals, 95)))
+                t += window / 4
+            ax_l.plot(xs, ys, ls=style, marker=".", label=leg)
+            e2e = np.sort([r["e2e_ms"] for r in data["records"] if r["status"] == 200 and r.get("e2e_ms")])
+            if e2e.size:
+                ax_c.plot(e2e / 1e3, np.arange(1, e2e.size + 1) / e2e.size, ls=style, label=leg)
+        err = sc["error"]
+        ax_t.set_title(f"{sc['name']}: p95 TPOT err {_pct(err['tpot_ms_p95'])}, p95 E2E err {_pct(err['e2e_ms_p95'])}")
+        ax_t.set_ylabel(f"T ({tier})")
+        ax_l.set_ylabel("rolling p95 TPOT (ms)")
+        ax_l.set_xlabel("time (s)")
+        ax_c.set_xlabel("E2E latency (s)")
+        ax_c.set_ylabel("CDF")
+        for ax in (ax_t, ax_l, ax_c):
+            ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.0f}%"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------
+
+
+def _pair_of_ints(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return a, b
+
+
+def _pair_of_rates(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition(",")
+    a, b = float(lo), float(hi)
+    if not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)):
+        raise argparse.ArgumentTypeError(f"expected two positive rates LOW,HIGH, got {text!r}")
+    return a, b
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", default="smollm2-135m", help="served pair (shipped name or 'tiny')")
+    p.add_argument("--profile", default=None, help="profile JSON (default: the measured smollm2-135m profile)")
+    p.add_argument("--scenarios", default="steady,step", help="comma-separated: steady, step")
+    p.add_argument("--duration-s", type=float, default=120.0, help="arrival window per scenario")
+    p.add_argument("--rate", type=float, default=0.6, help="steady Poisson rate (req/s)")
+    p.add_argument("--step-rates", type=_pair_of_rates, default=(0.3, 1.2), help="LOW,HIGH: low → high → low")
+    p.add_argument("--prompt-tokens", type=_pair_of_ints, default=(32, 160), help="uniform LOW,HIGH")
+    p.add_argument("--output-tokens", type=_pair_of_ints, default=(32, 96), help="uniform LOW,HIGH (max_tokens)")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--policy", default='{"policy": "pid"}', help="JSON policy spec (both legs)")
+    p.add_argument("--tier", default="standard")
+    p.add_argument("--tpot-ms", type=float, default=None, help="override the tier's p95 TPOT target")
+    p.add_argument("--interval", type=float, default=1.0, help="control interval (s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the profile's)")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--div", default="kl")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-queued", type=int, default=256)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per replica (the profile's)")
+    p.add_argument("--max-requests", type=int, default=1000, help="hard bound on requests per scenario")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/fidelity.json")
+    p.add_argument("--png", default=None, help="default: --out with .png")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both legs for every scenario; the report (also written to ``args.out`` and ``args.png``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from controller.config import parse_config
+    from controller.runtime import Service
+    from policies.slo import SLOSpec
+    from sim.profile import Profile
+
+    if args.profile is None and args.pair != "smollm2-135m":
+        raise ValueError(f"--profile is required for pair {args.pair!r} (the shipped profile is smollm2-135m's)")
+    profile_path = Path(args.profile) if args.profile else MEASURED_PROFILE
+    profile = Profile.load(profile_path) if profile_path.exists() else Profile.default()
+    policy = json.loads(args.policy)
+    slo_data = SLOSpec.default().model_dump(mode="json")
+    if args.tpot_ms is not None:
+        slo_data["tiers"][args.tier]["tpot_ms"] = args.tpot_ms
+    slo = SLOSpec.model_validate(slo_data)
+    if args.tier not in slo.tiers:
+        raise ValueError(f"--tier {args.tier!r} is not an SLO tier; tiers: {sorted(slo.tiers)}")
+    tier_names = list(slo.tiers)
+    token = "fidelity-bench"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = parse_config({
+        "model": {"pair": args.pair, "num_draft_tokens": args.k, "div": args.div, "max_batch_size": args.max_batch,
+                  "torch_threads": args.threads},
+        "slo": slo_data,
+        "control": {"interval_s": args.interval, "policy": policy, "history": 10_000},
+        "serve": {"num_replicas": args.replicas, "max_ongoing_requests": args.max_queued,
+                  "max_queued_requests": 4 * args.max_queued},
+        "replica": {"max_queued": args.max_queued, "max_new_tokens_limit": max(args.output_tokens[1], 16),
+                    "stale_after_s": max(10.0, 5 * args.interval)},
+        "http": {"port": port, "admin_token": token, "request_timeout_s": args.request_timeout},
+    })
+    workloads = {}
+    for name in args.scenarios.split(","):
+        wl = scenario_workload(name.strip(), args)
+        reqs = wl.generate(np.random.default_rng(args.seed), tier_names, args.tier)
+        if len(reqs) > args.max_requests:
+            raise ValueError(f"scenario {name!r} has {len(reqs)} requests > --max-requests {args.max_requests}")
+        workloads[name.strip()] = reqs
+    scenarios = []
+    service = Service(cfg, quiet=True)
+    try:
+        url = service.start()
+        rtt_ms = _http_round_trip_ms(url)
+        for name, reqs in workloads.items():
+            print(f"fidelity: {name}: {len(reqs)} requests over {args.duration_s:.0f}s (real)", file=sys.stderr,
+                  flush=True)
+            before = _replica_counters(cfg.serve.app_name)
+            real_run = asyncio.run(_replay(url, reqs, policy, args, token))
+            after = _replica_counters(cfg.serve.app_name)
+            print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
+            sim_run = simulate(real_run["records"], profile, slo, policy, tier_names, args)
+            real_sum = summarise(real_run["records"], args.duration_s)
+            sim_sum = summarise(sim_run["records"], args.duration_s)
+            end_s = max([args.duration_s] + [s["t_s"] for s in real_run["t_samples"]])
+            scenarios.append({
+                "name": name,
+                "duration_s": args.duration_s,
+                "requests": len(reqs),
+                "real": {**real_run, "summary": real_sum},
+                "sim": {**sim_run, "summary": sim_sum},
+                "error": compare(real_sum, sim_sum),
+                "threshold_trajectory": threshold_trajectory_error(real_run["t_samples"], sim_run["t_samples"],
+                                                                   args.tier, end_s),
+                "decomposition": decomposition(before, after, profile, real_run["records"], args),
+            })
+    finally:
+        service.stop()
+    report = {
+        "benchmark": "fidelity",
+        "pair": args.pair,
+        "profile": str(profile_path),
+        "profile_provenance": profile.provenance.model_dump(),
+        "policy": policy,
+        "tier": args.tier,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "png")},
+        "http_round_trip_ms_p50": rtt_ms,
+        "load_average": list(os.getloadavg()),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "table": [{"scenario": sc["name"], "real": sc["real"]["summary"], "sim": sc["sim"]["summary"],
+                   "error": sc["error"], "threshold_trajectory": sc["threshold_trajectory"],
+                   "decomposition": sc["decomposition"]} for sc in scenarios],
+        "scenarios": [{k: sc[k] for k in ("name", "duration_s", "requests")}
+                      | {"real": {"records": sc["real"]["records"], "t_samples": sc["real"]["t_samples"]},
+                         "sim": {"records": sc["sim"]["records"], "t_samples": sc["sim"]["t_samples"]}}
+                      for sc in scenarios],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=float))
+    png = Path(args.png) if args.png else out.with_suffix(".png")
+    plot(scenarios, args.tier, png)
+    report["png"] = str(png)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except ValueError as exc:
+        print(f"fidelity: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in report.items() if k != "scenarios"}, indent=1, default=float))
+    print(f"fidelity: wrote {args.out} and {report['png']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

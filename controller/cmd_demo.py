@@ -84,22 +84,23 @@ async def _drive(url: str, args: argparse.Namespace, interval: float) -> dict[st
                 i += 1
             return i
 
-        async def burst(start_index: int) -> None:
+        async def burst(start_index: int, until: float) -> None:
             sem = asyncio.Semaphore(args.concurrency)
 
             async def guarded(i: int) -> None:
                 async with sem:
-                    if time.monotonic() < stop_at:
+                    if time.monotonic() < until:  # no new burst request after the burst window
                         await _one(client, url, i, args.max_tokens, results)
 
             await asyncio.gather(*(guarded(start_index + j) for j in range(args.requests)))
 
         async def load() -> None:
             nonlocal phase
-            third = args.duration / 4
-            i = await light(time.monotonic() + third, 0)
+            # Quarter light, half burst (new requests stop at 3/4), then light again so T can come back.
+            quarter = args.duration / 4
+            i = await light(time.monotonic() + quarter, 0)
             phase = "burst"
-            await burst(i)
+            await burst(i, stop_at - quarter)
             phase = "light"
             await light(stop_at, i + args.requests)
             phase = "done"

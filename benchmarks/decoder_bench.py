@@ -91,7 +91,7 @@ def run_target_only(pair: Any, prompt: list[int], params: SamplingParams) -> dic
     generator = torch.Generator().manual_seed(params.seed or 0)
     start = time.perf_counter()
     cache = DynamicCache(config=pair.target.config)
-    logits = pair.target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[:, -1]
+    logits = pair.target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     prefill = time.perf_counter() - start
     tokens = 0
     while True:
@@ -159,7 +159,7 @@ def forward_times(pair: Any, prompt: list[int], k: int, reps: int) -> dict[str, 
 
     def timed(model: Any, width: int) -> float:
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
         new = torch.tensor([prompt[-width:]])
         samples = []
         for _ in range(reps + 1):

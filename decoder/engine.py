@@ -376,8 +376,11 @@ class FSDEngine:
     def _new_cache(self, model: Any, batch_size: int) -> BatchKVCache:
         return BatchKVCache(_num_layers(model), batch_size, device=self.device)
 
-    def _forward(self, model: Any, cache: BatchKVCache, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Run ``model`` over new tokens [B, q] (``valid`` marks real ones); returns logits [B, q, V]."""
+    def _forward(
+        self, model: Any, cache: BatchKVCache, input_ids: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 0
+    ) -> torch.Tensor:
+        """Run ``model`` over new tokens [B, q] (``valid`` marks real ones); returns logits [B, q, V]
+        (only the last ``logits_to_keep`` positions when non-zero: the LM head is costly on long inputs)."""
         position_ids, mask = cache.prepare(valid)
         out = model(
             input_ids=input_ids.to(self.device),
@@ -385,6 +388,7 @@ class FSDEngine:
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
+            logits_to_keep=logits_to_keep,
         )
         cache.commit()
         return out.logits
@@ -409,7 +413,7 @@ class FSDEngine:
         for model, batch_cache in ((self.target, self._target_cache), (self.draft, self._draft_cache)):
             joining_cache = self._new_cache(model, len(joining))
             if width:
-                self._forward(model, joining_cache, feed, valid)
+                self._forward(model, joining_cache, feed, valid, logits_to_keep=1)
             batch_cache.append_rows(joining_cache)
         for r in joining:
             r.pending = r.prompt_ids[-1]
@@ -438,7 +442,7 @@ class FSDEngine:
             valid[b, width - len(r.draft_unseen) :] = True
         probs_steps, token_steps = [], []
         for i in range(k):
-            logits = self._forward(self.draft, self._draft_cache, feed, valid)[:, -1].float()
+            logits = self._forward(self.draft, self._draft_cache, feed, valid, logits_to_keep=1)[:, -1].float()
             probs = sampling_probs(logits, temperature, top_k, top_p)
             tokens = greedy_token(probs)
             if not all_greedy:

@@ -37,7 +37,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,7 +95,7 @@ class _Stream:
         self.first = first
         self.done = False
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         try:
             async for chunk in self.generator:
                 yield chunk

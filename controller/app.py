@@ -52,21 +52,21 @@ def replica_options(cfg: FSDConfig) -> dict[str, Any]:
 def build_app(cfg: FSDConfig) -> Application:
     """The bound Serve application for ``cfg``."""
     config = cfg.model_dump(mode="json")
-    replica = serve.deployment(FSDReplica).options(**replica_options(cfg))
-    controller = serve.deployment(FSDController).options(
+    replica = serve.deployment(**replica_options(cfg))(FSDReplica)
+    controller = serve.deployment(
         name=CONTROLLER_DEPLOYMENT,
         num_replicas=1,
         max_ongoing_requests=64,
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=5.0,
         logging_config={"enable_access_log": False},
-    )
-    ingress = serve.deployment(FSDIngress).options(
+    )(FSDController)
+    ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
         max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": cfg.serve.ingress_num_cpus},
-    )
+    )(FSDIngress)
     replicas = replica.bind(config)
     return ingress.bind(config, replicas, controller.bind(config, replicas))
 

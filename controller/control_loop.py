@@ -57,7 +57,7 @@ def describe_policy(policy: Policy | None, spec: Mapping[str, Any] | None) -> di
         return None
     from policies.registry import describe
 
-    out = _jsonable(describe(policy))
+    out: dict[str, Any] = _jsonable(describe(policy))
     out["spec"] = dict(spec) if spec is not None else None
     return out
 

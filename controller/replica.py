@@ -88,7 +88,7 @@ class _Detokenizer:
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = str(self._tokenizer.decode(self._ids, skip_special_tokens=True))
         if text.endswith("\ufffd") and self._unsettled < 4:
             self._unsettled += 1
             return ""

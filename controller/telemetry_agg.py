@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.slo import SLOSpec, TierSLO
+from policies.slo import LatencyMetric, SLOSpec, TierSLO
 from policies.telemetry import LatencySummary, Telemetry, TierWindow
 
 _COUNTERS = (
@@ -29,8 +29,9 @@ _TIER_COUNTERS = ("arrivals", "completions", "output_tokens", "distortion")
 
 def request_met_slo(record: Mapping[str, Any], tier: TierSLO) -> bool:
     """Did one finished request meet every latency target its tier sets? (no target ⇒ met)"""
-    for metric in ("ttft", "tpot", "e2e"):
-        target = tier.latency_target(metric)  # type: ignore[arg-type]
+    metrics: tuple[LatencyMetric, ...] = ("ttft", "tpot", "e2e")
+    for metric in metrics:
+        target = tier.latency_target(metric)
         value = record.get(f"{metric}_ms")
         if target is not None and value is not None and value > target:
             return False

@@ -1,55 +1,75 @@
-"""The CLI end to end: ``fsd demo --pair tiny`` finishes on its own and leaves no Ray process behind."""
+"""The CLI end to end: ``fsd demo --pair tiny`` finishes on its own and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
-RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard", "log_monitor")
-
-
-def _ray_processes() -> set[int]:
-    """PIDs of Ray processes on this machine (read from /proc, so no extra dependency)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+# Runs the command as a child of a process that is a Linux "child subreaper": daemonised descendants
+# (Ray's raylet, GCS, workers) re-parent to it instead of to init. After the command exits, any child
+# still alive is something the command left behind — whatever else runs on the machine.
+REAPER = r"""
+import ctypes, json, os, subprocess, sys, time
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    print(json.dumps({"error": "prctl failed"}), file=sys.stderr); sys.exit(3)
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=240)
+def children():
+    out = {}
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            stat = open(f"/proc/{e}/stat").read()
+            cmd = open(f"/proc/{e}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:120]
         except OSError:
             continue
-        if any(m in cmd for m in RAY_PROCESS_MARKERS):
-            pids.add(int(entry))
-    return pids
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out[e] = cmd
+    return out
+deadline = time.monotonic() + 30  # Ray's processes exit asynchronously after ray.shutdown()
+while True:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+    left = children()
+    if not left or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-4000:],
+                  "leftover": left}))
+"""
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_tiny_runs_shows_t_and_leaves_no_processes() -> None:
-    before = _ray_processes()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "demo", "--pair", "tiny", "--duration", "12", "--requests", "12"],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    cmd = [sys.executable, "-m", "controller.cli", "demo", "--pair", "tiny", "--duration", "12", "--requests", "12"]
+    wrapper = subprocess.run([sys.executable, "-c", REAPER, *cmd], capture_output=True, text=True, timeout=290,
+                             env=env, cwd=ROOT)
+    assert wrapper.returncode == 0, wrapper.stderr[-3000:]
+    result = json.loads(wrapper.stdout.strip().splitlines()[-1])
+    out = result["stdout"]
+    assert result["returncode"] == 0, out[-3000:] + result["stderr"]
     assert "T standard" in out and "requests:" in out and "fsd demo: done" in out
     assert " 0 failed" in out, out[-2000:]
-    leftover = _ray_processes() - before
-    assert not leftover, f"processes left behind by fsd demo: {sorted(leftover)}"
+    assert not result["leftover"], f"processes left behind by fsd demo: {result['leftover']}"
 
 
-def test_serve_rejects_a_bad_config_naming_the_field(tmp_path: object) -> None:
-    from pathlib import Path
-
-    bad = Path(str(tmp_path)) / "bad.yaml"
+def test_serve_rejects_a_bad_config_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
     bad.write_text("control:\n  interval_s: -2\n")
     proc = subprocess.run([sys.executable, "-m", "controller.cli", "serve", str(bad)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert "control.interval_s" in proc.stderr

@@ -39,6 +39,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,15 @@ MEASURED_PROFILE = REPO / "sim" / "profiles" / "smollm2-135m.json"
 
 # Prompt filler: common one-token English words (for BPE vocabularies with a leading-space token per
 # word, n words ≈ n tokens; the service reports the exact count, which is what the simulator gets).
-_WORDS = tuple(
+_WORDS_TEXT = (
     "the of and to in is was for on that with as by at from his her an they which you one had not but "
     "what all were when we there can more if no out so said up its about into than them only other new "
     "some could time these two may then do first any my now such like our over man me even most made "
     "after also did many before must through back years where much your way well down should because "
     "each just those people how too little state good very make world still own see men work long get "
     "here between both life being under never day same another know while last might us great old year"
-).split()
+)
+_WORDS = tuple(_WORDS_TEXT.split())
 
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
@@ -444,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (the profile's)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="Ray num_cpus per replica")
     p.add_argument("--max-requests", type=int, default=1000, help="hard bound on requests per scenario")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -452,12 +455,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Both legs for every scenario; the report (also written to ``args.out`` and ``args.png``)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+@dataclass
+class Setup:
+    """What both legs share: the profile, SLO, policy spec and the service config."""
+
+    profile: Any
+    profile_path: Path
+    slo: Any
+    policy: dict[str, Any]
+    tier_names: list[str]
+    config: Any  # controller.config.FSDConfig
+    token: str
+
+
+def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_prefix: str = "/") -> Setup:
+    """Validate the flags and build the service config (ValueError naming a bad flag)."""
     from controller.config import parse_config
-    from controller.runtime import Service
     from policies.slo import SLOSpec
     from sim.profile import Profile
 
@@ -465,90 +478,116 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--profile is required for pair {args.pair!r} (the shipped profile is smollm2-135m's)")
     profile_path = Path(args.profile) if args.profile else MEASURED_PROFILE
     profile = Profile.load(profile_path) if profile_path.exists() else Profile.default()
-    policy = json.loads(args.policy)
+    try:
+        policy = json.loads(args.policy)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--policy is not valid JSON: {exc}") from None
     slo_data = SLOSpec.default().model_dump(mode="json")
+    if args.tier not in slo_data["tiers"]:
+        raise ValueError(f"--tier {args.tier!r} is not an SLO tier; tiers: {sorted(slo_data['tiers'])}")
     if args.tpot_ms is not None:
         slo_data["tiers"][args.tier]["tpot_ms"] = args.tpot_ms
     slo = SLOSpec.model_validate(slo_data)
-    if args.tier not in slo.tiers:
-        raise ValueError(f"--tier {args.tier!r} is not an SLO tier; tiers: {sorted(slo.tiers)}")
-    tier_names = list(slo.tiers)
     token = "fidelity-bench"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = parse_config({
         "model": {"pair": args.pair, "num_draft_tokens": args.k, "div": args.div, "max_batch_size": args.max_batch,
                   "torch_threads": args.threads},
         "slo": slo_data,
         "control": {"interval_s": args.interval, "policy": policy, "history": 10_000},
-        "serve": {"num_replicas": args.replicas, "max_ongoing_requests": args.max_queued,
-                  "max_queued_requests": 4 * args.max_queued},
-        "replica": {"max_queued": args.max_queued, "max_new_tokens_limit": max(args.output_tokens[1], 16),
-                    "stale_after_s": max(10.0, 5 * args.interval)},
+        "serve": {"num_replicas": args.replicas, "replica_num_cpus": args.replica_cpus,
+                  "max_ongoing_requests": args.max_queued,
+                  "max_queued_requests": 4 * args.max_queued, "app_name": app_name, "route_prefix": route_prefix},
+        "replica": {"max_queued": args.max_queued, "max_new_tokens_limit": args.output_tokens[1],
+                    "default_max_new_tokens": args.output_tokens[1], "stale_after_s": max(10.0, 5 * args.interval)},
         "http": {"port": port, "admin_token": token, "request_timeout_s": args.request_timeout},
     })
+    return Setup(profile, profile_path, slo, policy, list(slo.tiers), cfg, token)
+
+
+def run_scenarios(url: str, st: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """Both legs for every scenario against a deployed service at ``url``; the report."""
     workloads = {}
     for name in args.scenarios.split(","):
         wl = scenario_workload(name.strip(), args)
-        reqs = wl.generate(np.random.default_rng(args.seed), tier_names, args.tier)
+        reqs = wl.generate(np.random.default_rng(args.seed), st.tier_names, args.tier)
         if len(reqs) > args.max_requests:
             raise ValueError(f"scenario {name!r} has {len(reqs)} requests > --max-requests {args.max_requests}")
         workloads[name.strip()] = reqs
+    rtt_ms = _http_round_trip_ms(url)
     scenarios = []
-    service = Service(cfg, quiet=True)
-    try:
-        url = service.start()
-        rtt_ms = _http_round_trip_ms(url)
-        for name, reqs in workloads.items():
-            print(f"fidelity: {name}: {len(reqs)} requests over {args.duration_s:.0f}s (real)", file=sys.stderr,
-                  flush=True)
-            before = _replica_counters(cfg.serve.app_name)
-            real_run = asyncio.run(_replay(url, reqs, policy, args, token))
-            after = _replica_counters(cfg.serve.app_name)
-            print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
-            sim_run = simulate(real_run["records"], profile, slo, policy, tier_names, args)
-            real_sum = summarise(real_run["records"], args.duration_s)
-            sim_sum = summarise(sim_run["records"], args.duration_s)
-            end_s = max([args.duration_s] + [s["t_s"] for s in real_run["t_samples"]])
-            scenarios.append({
-                "name": name,
-                "duration_s": args.duration_s,
-                "requests": len(reqs),
-                "real": {**real_run, "summary": real_sum},
-                "sim": {**sim_run, "summary": sim_sum},
-                "error": compare(real_sum, sim_sum),
-                "threshold_trajectory": threshold_trajectory_error(real_run["t_samples"], sim_run["t_samples"],
-                                                                   args.tier, end_s),
-                "decomposition": decomposition(before, after, profile, real_run["records"], args),
-            })
-    finally:
-        service.stop()
-    report = {
+    for name, reqs in workloads.items():
+        print(f"fidelity: {name}: {len(reqs)} requests over {args.duration_s:.0f}s (real)", file=sys.stderr,
+              flush=True)
+        before = _replica_counters(st.config.serve.app_name)
+        real_run = asyncio.run(_replay(url, reqs, st.policy, args, st.token))
+        after = _replica_counters(st.config.serve.app_name)
+        print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
+        sim_run = simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args)
+        real_sum = summarise(real_run["records"], args.duration_s)
+        sim_sum = summarise(sim_run["records"], args.duration_s)
+        end_s = max([args.duration_s] + [s["t_s"] for s in real_run["t_samples"]])
+        scenarios.append({
+            "name": name,
+            "duration_s": args.duration_s,
+            "requests": len(reqs),
+            "real": {**real_run, "summary": real_sum},
+            "sim": {**sim_run, "summary": sim_sum},
+            "error": compare(real_sum, sim_sum),
+            "threshold_trajectory": threshold_trajectory_error(real_run["t_samples"], sim_run["t_samples"],
+                                                               args.tier, end_s),
+            "decomposition": decomposition(before, after, st.profile, real_run["records"], args),
+        })
+    return {
         "benchmark": "fidelity",
         "pair": args.pair,
-        "profile": str(profile_path),
-        "profile_provenance": profile.provenance.model_dump(),
-        "policy": policy,
+        "profile": str(st.profile_path),
+        "profile_provenance": st.profile.provenance.model_dump(),
+        "policy": st.policy,
         "tier": args.tier,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "png")},
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
+                     if k not in ("out", "png")},
         "http_round_trip_ms_p50": rtt_ms,
         "load_average": list(os.getloadavg()),
         "command": " ".join([sys.executable, *sys.argv]),
         "table": [{"scenario": sc["name"], "real": sc["real"]["summary"], "sim": sc["sim"]["summary"],
                    "error": sc["error"], "threshold_trajectory": sc["threshold_trajectory"],
                    "decomposition": sc["decomposition"]} for sc in scenarios],
-        "scenarios": [{k: sc[k] for k in ("name", "duration_s", "requests")}
-                      | {"real": {"records": sc["real"]["records"], "t_samples": sc["real"]["t_samples"]},
-                         "sim": {"records": sc["sim"]["records"], "t_samples": sc["sim"]["t_samples"]}}
-                      for sc in scenarios],
+        "scenarios": scenarios,
     }
+
+
+def write_report(report: dict[str, Any], args: argparse.Namespace) -> Path:
+    """JSON (per-request records and T samples included) to ``--out``, the plot to ``--png``."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=float))
+    slim = {**report, "scenarios": [
+        {k: sc[k] for k in ("name", "duration_s", "requests")}
+        | {leg: {"records": sc[leg]["records"], "t_samples": sc[leg]["t_samples"]} for leg in ("real", "sim")}
+        for sc in report["scenarios"]
+    ]}
+    out.write_text(json.dumps(slim, indent=1, default=float))
     png = Path(args.png) if args.png else out.with_suffix(".png")
-    plot(scenarios, args.tier, png)
-    report["png"] = str(png)
+    plot(report["scenarios"], args.tier, png)
+    return png
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start a local service (loopback), run every scenario, write the report; returns it."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from controller.runtime import Service
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    st = setup(args, port)
+    service = Service(st.config, quiet=True)
+    try:
+        url = service.start()
+        report = run_scenarios(url, st, args)
+    finally:
+        service.stop()
+    report["png"] = str(write_report(report, args))
     return report
 
 

@@ -129,6 +129,11 @@ class CalibrationSettings(BaseModel):
     prefill_repeats: int = Field(2, ge=1)
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="sampling temperature (0 = greedy)")
     rule: Literal["reducible", "pure"] = "reducible"
+    clock: Literal["wall", "cpu"] = Field(
+        "wall",
+        description="'wall': step times as measured; 'cpu': scaled by the process's CPU share during the step "
+        "(an estimate of an idle machine's times, for calibrating on a loaded one)",
+    )
     default_div: str | None = Field(None, description="profile's default div (None: kl if swept, else the first)")
     default_k: int | None = Field(None, description="profile's default k (None: 4 if swept, else the middle)")
     seed: int = 0
@@ -279,6 +284,7 @@ class LatencySample(BaseModel):
     prefill_ms: float = 0.0
     step_ms_median: float = Field(0.0, description="median step wall time without prefill (decode)")
     step_ms_std: float = 0.0
+    cpu_fraction: float = Field(1.0, description="process CPU time / wall time during the steps (1 = no contention)")
 
 
 class FitQuality(BaseModel):
@@ -615,11 +621,15 @@ def measure_acceptance(
     return samples
 
 
-def _summarise_decode(k: int, batch: int, steps: list[Any], walls: list[float], contexts: list[float]) -> LatencySample:
-    draft = np.array([s.draft_time_s for s in steps]) * 1e3
-    verify = np.array([s.verify_time_s for s in steps]) * 1e3
-    prefill = np.array([s.prefill_time_s for s in steps]) * 1e3
-    wall = np.array(walls) * 1e3
+def _summarise_decode(
+    k: int, batch: int, steps: list[Any], walls: list[float], cpus: list[float], contexts: list[float], clock: str
+) -> LatencySample:
+    share = np.clip(np.array(cpus) / np.maximum(np.array(walls), 1e-9), 0.0, 1.0)
+    scale = share if clock == "cpu" else np.ones_like(share)
+    draft = np.array([s.draft_time_s for s in steps]) * 1e3 * scale
+    verify = np.array([s.verify_time_s for s in steps]) * 1e3 * scale
+    prefill = np.array([s.prefill_time_s for s in steps]) * 1e3 * scale
+    wall = np.array(walls) * 1e3 * scale
     no_prefill = wall - prefill
     return LatencySample(
         phase="decode",
@@ -632,6 +642,27 @@ def _summarise_decode(k: int, batch: int, steps: list[Any], walls: list[float], 
         overhead_ms=float(np.maximum(no_prefill - draft - verify, 0.0).mean()),
         step_ms_median=float(np.median(no_prefill)),
         step_ms_std=float(no_prefill.std()),
+        cpu_fraction=float(share.mean()),
+    )
+
+
+def _timed_step(engine: Any) -> tuple[Any, float, float]:
+    """``(StepStats, wall s, process CPU s)`` of one engine step."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    step = engine.step()
+    return step, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _prefill_sample(step: Any, wall: float, cpu: float, batch: int, clock: str) -> LatencySample:
+    share = min(cpu / max(wall, 1e-9), 1.0)
+    return LatencySample(
+        phase="prefill",
+        k=0,
+        batch=batch,
+        tokens=float(step.prefill_tokens),
+        n=1,
+        prefill_ms=step.prefill_time_s * 1e3 * (share if clock == "cpu" else 1.0),
+        cpu_fraction=share,
     )
 
 
@@ -658,33 +689,23 @@ def measure_latency(pair: Any, settings: CalibrationSettings, progress: bool = F
                 engine = _engine(pair, settings, div, k, batch)
                 for r in range(batch):
                     engine.add_request(f"t{r}", prompt, _params(settings, max_new, settings.seed + r, True), 0.0)
-                steps, walls, contexts = [], [], []
+                steps, walls, cpus, contexts = [], [], [], []
                 for i in range(per_point):
-                    t0 = time.perf_counter()
-                    step = engine.step()
-                    wall = time.perf_counter() - t0
+                    step, wall, cpu = _timed_step(engine)
                     bar.update(1)
                     if i == 0:  # admission: prefill of `batch` requests, then a warm-up decode
-                        samples.append(
-                            LatencySample(
-                                phase="prefill",
-                                k=0,
-                                batch=batch,
-                                tokens=float(step.prefill_tokens),
-                                n=1,
-                                prefill_ms=step.prefill_time_s * 1e3,
-                            )
-                        )
+                        samples.append(_prefill_sample(step, wall, cpu, batch, settings.clock))
                         continue
                     if step.batch_size != batch:  # a row finished early: not a clean point
                         continue
                     steps.append(step)
                     walls.append(wall)
+                    cpus.append(cpu)
                     contexts.append(
                         prompt_len + float(np.mean([len(engine.output(f"t{r}").token_ids) for r in range(batch)]))
                     )
                 if steps:
-                    samples.append(_summarise_decode(k, batch, steps, walls, contexts))
+                    samples.append(_summarise_decode(k, batch, steps, walls, cpus, contexts, settings.clock))
                 for r in range(batch):
                     engine.abort(f"t{r}")
         bar.update(0, desc="latency prefill")
@@ -693,17 +714,8 @@ def measure_latency(pair: Any, settings: CalibrationSettings, progress: bool = F
             for n, length in enumerate(prefill_lengths):
                 rid = f"prefill{rep}-{n}"
                 engine.add_request(rid, _filler_ids(pair, length), _params(settings, 1, settings.seed, True), 0.0)
-                step = engine.step()
-                samples.append(
-                    LatencySample(
-                        phase="prefill",
-                        k=0,
-                        batch=1,
-                        tokens=float(step.prefill_tokens),
-                        n=1,
-                        prefill_ms=step.prefill_time_s * 1e3,
-                    )
-                )
+                step, wall, cpu = _timed_step(engine)
+                samples.append(_prefill_sample(step, wall, cpu, 1, settings.clock))
                 engine.release(rid)
                 bar.update(1)
     finally:
@@ -748,6 +760,30 @@ def _describe_dtypes(pair: Any) -> str:
     return f"target {describe(pair.target)} / draft {describe(pair.draft)}"
 
 
+def reusable_acceptance(source: Profile, pair_name: str, settings: CalibrationSettings) -> tuple[
+    list[AcceptanceSample], CalibrationSettings
+]:
+    """The raw acceptance samples of an earlier calibrated profile of the same pair and sampling
+    settings (acceptance does not depend on the machine), and ``settings`` updated to describe them."""
+    if source.provenance.source != "calibrated" or source.calibration is None:
+        raise ValueError("--acceptance-from: the profile has no calibration record (not made by fsd calibrate)")
+    if not source.provenance.pair.startswith(f"{pair_name}:") and source.provenance.pair != pair_name:
+        raise ValueError(f"--acceptance-from: the profile is for pair {source.provenance.pair!r}, not {pair_name!r}")
+    record = CalibrationRecord.model_validate(source.calibration)
+    old = record.settings
+    for name in ("temperature", "rule"):
+        if getattr(old, name) != getattr(settings, name):
+            raise ValueError(
+                f"--acceptance-from: its {name} is {getattr(old, name)!r}, this run's is {getattr(settings, name)!r}"
+            )
+    keep = ("divs", "thresholds", "prompts", "max_new_tokens", "acceptance_batch_size", "seed")
+    data = settings.model_dump()
+    data.update({name: getattr(old, name) for name in keep})
+    data["acceptance_ks"] = old.swept_acceptance_ks
+    data["default_div"] = data["default_k"] = None
+    return record.acceptance, CalibrationSettings.from_dict(data)
+
+
 def calibrate(
     pair: Any,
     settings: CalibrationSettings,
@@ -755,16 +791,26 @@ def calibrate(
     command: str = "",
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    acceptance_from: Profile | None = None,
 ) -> Profile:
-    """Measure ``pair`` (a :class:`decoder.models.ModelPair`) and return a validated Profile."""
+    """Measure ``pair`` (a :class:`decoder.models.ModelPair`) and return a validated Profile.
+
+    With ``acceptance_from`` (an earlier calibrated profile of the same pair), its acceptance data is
+    reused and only the latency is measured.
+    """
     import torch
     import transformers
 
     started = time.perf_counter()
     load_start = _load_average()
-    acceptance = measure_acceptance(pair, settings, progress=progress)
-    if log:
-        log(f"acceptance sweep done in {time.perf_counter() - started:.0f} s")
+    reused = ""
+    if acceptance_from is not None:
+        acceptance, settings = reusable_acceptance(acceptance_from, pair.name, settings)
+        reused = f" Acceptance data reused from a profile measured {acceptance_from.provenance.date}."
+    else:
+        acceptance = measure_acceptance(pair, settings, progress=progress)
+        if log:
+            log(f"acceptance sweep done in {time.perf_counter() - started:.0f} s")
     latency = measure_latency(pair, settings, progress=progress)
     load_end = _load_average()
     fit = fit_latency(latency)
@@ -793,7 +839,9 @@ def calibrate(
         f"{list(settings.batch_sizes)}, k {list(settings.ks)}, {settings.timing_iterations} timed steps each, "
         f"{settings.timing_prompt_tokens}-token prompts. Acceptance/distortion are isotonic (in T) fits of "
         f"the raw counts; verify_* include the step's bookkeeping overhead. Raw data: `calibration`. "
-        f"Took {wall:.0f} s. Timings depend on machine load (see machine)."
+        f"Took {wall:.0f} s. Timings depend on machine load (see machine); clock {settings.clock!r} "
+        f"({'step times scaled by the process CPU share: an idle-machine estimate' if settings.clock == 'cpu' else 'wall time'})."
+        f"{reused}"
     )
     try:
         return Profile(

@@ -54,6 +54,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--dtype", help="target dtype override (fp32, bf16, ...)")
     parser.add_argument("--draft-dtype", help="draft dtype override (a float dtype or int8)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        help="'cpu' scales step times by the process CPU share: an idle-machine estimate on a loaded machine "
+        "(default wall)",
+    )
+    parser.add_argument(
+        "--acceptance-from",
+        type=Path,
+        metavar="PROFILE",
+        help="reuse the acceptance data of an earlier calibrated profile of this pair; measure latency only",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -86,7 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         overrides["acceptance_ks"] = _int_list(args.acceptance_ks, "--acceptance-ks")
     if args.batch_sizes:
         overrides["batch_sizes"] = _int_list(args.batch_sizes, "--batch-sizes")
-    for name in ("prompts", "max_new_tokens", "timing_iterations", "temperature", "rule"):
+    for name in ("prompts", "max_new_tokens", "timing_iterations", "temperature", "rule", "clock"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -128,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from controller.calibration import calibrate, headline
+    from sim.profile import Profile
+
+    source = Profile.load(args.acceptance_from) if args.acceptance_from is not None else None
 
     torch.set_num_threads(args.threads)
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"fsd calibrate: {msg}", file=sys.stderr))
@@ -138,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
     else:  # called in-process (tests, scripts): say so, with the parsed flags
         flags = {k: str(v) for k, v in vars(args).items() if k not in ("func", "command")}
         command = f"fsd calibrate (in-process) {flags}"
-    profile = calibrate(pair, settings, command=command, progress=not args.no_progress, log=log)
+    profile = calibrate(
+        pair, settings, command=command, progress=not args.no_progress, log=log, acceptance_from=source
+    )
     profile.save(out)
     log(f"wrote {out}")
     print(json.dumps(headline(profile), indent=2))

@@ -309,3 +309,20 @@ def test_cli_refuses_an_output_directory_that_does_not_exist(tmp_path, capsys) -
     rc = main(["calibrate", "--pair", "tiny", "--quick", "--out", str(tmp_path / "missing" / "p.json")])
     assert rc == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_acceptance_can_be_reused_and_only_latency_remeasured(tiny_profile: Profile) -> None:
+    from decoder.models import tiny_pair
+
+    settings = CalibrationSettings.quick(batch_sizes=(1, 2), timing_iterations=1, clock="cpu",
+                                         timing_prompt_tokens=16, prefill_lengths=(16,))
+    again = calibrate(tiny_pair(), settings, acceptance_from=tiny_profile)
+    assert again.acceptance == tiny_profile.acceptance
+    record = CalibrationRecord.model_validate(again.calibration)
+    assert record.settings.clock == "cpu" and record.settings.divs == ("kl", "js")
+    assert {(s.k, s.batch) for s in record.latency if s.phase == "decode"} == {(4, 1), (4, 2)}
+    assert all(0 < s.cpu_fraction <= 1 for s in record.latency)
+    with pytest.raises(ValueError, match="temperature"):
+        calibrate(tiny_pair(), settings.model_copy(update={"temperature": 0.7}), acceptance_from=tiny_profile)
+    with pytest.raises(ValueError, match="pair"):
+        calibrate(tiny_pair(seed=1), settings, acceptance_from=tiny_profile)

@@ -1,0 +1,79 @@
+"""Fidelity, short: the simulator with a profile calibrated for the tiny pair against the real service.
+
+The bound is loose on purpose (the tiny pair's steps are a few ms of mostly Python, so scheduling
+noise is large relative to them): it catches a broken side — a profile or simulator change that puts
+the prediction off by a factor, or a service change that stalls — not a few percent of drift. The
+real figures come from benchmarks/fidelity.py on the default pair (docs/calibration.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.calibration import CalibrationSettings, calibrate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import fidelity  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+APP = "fsd-fidelity"
+LOOSE = 0.5  # |sim − real| / real
+
+
+@pytest.fixture(scope="module")
+def tiny_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A profile of the tiny pair the service loads, measured at the replica's 1 torch thread."""
+    import torch
+
+    from decoder.models import tiny_pair
+
+    settings = CalibrationSettings.quick(
+        thresholds={"kl": (0.0, 0.5, 1.0, 2.0)}, batch_sizes=(1, 2, 4), timing_iterations=4,
+        timing_prompt_tokens=32, prefill_lengths=(16, 64),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        profile = calibrate(tiny_pair(), settings, command="tests/controller/test_fidelity.py")
+    finally:
+        torch.set_num_threads(threads)
+    path = tmp_path_factory.mktemp("fidelity") / "tiny.json"
+    profile.save(path)
+    yield path
+
+
+def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_profile_path: Path) -> None:
+    from ray import serve
+
+    from controller.app import build_app
+
+    args = fidelity.build_parser().parse_args([
+        "--pair", "tiny", "--profile", str(tiny_profile_path), "--scenarios", "steady", "--duration-s", "12",
+        "--rate", "3", "--prompt-tokens", "2,6", "--output-tokens", "16,32", "--interval", "0.25",
+        "--max-batch", "4", "--replica-cpus", "0.5", "--request-timeout", "120",
+        "--policy", '{"policy": "static", "thresholds": 0.5, "guards": false}',
+    ])
+    st = fidelity.setup(args, ray_serve.port, app_name=APP, route_prefix="/fidelity")
+    serve.run(build_app(st.config), name=APP, route_prefix="/fidelity")
+    try:
+        report = fidelity.run_scenarios(f"{ray_serve.base_url}/fidelity", st, args)
+    finally:
+        serve.delete(APP)
+    row = report["table"][0]
+    real, sim, err = row["real"], row["sim"], row["error"]
+    assert real["requests"] > 10
+    assert real["completed"] == real["requests"], "every request must be answered"
+    assert sim["completed"] == real["requests"], "the simulator replays exactly the real requests"
+    assert real["output_tokens"] == sim["output_tokens"], "same output lengths on both legs"
+    for metric in ("tpot_ms_p95", "e2e_ms_p95", "output_tokens_per_s"):
+        assert err[metric] is not None and abs(err[metric]) < LOOSE, (metric, row)
+    # A static policy: both legs hold T at 0.5 the whole run.
+    traj = row["threshold_trajectory"]
+    assert traj["sim_mean"] == pytest.approx(0.5) and traj["real_mean"] == pytest.approx(0.5, abs=0.05)
+    decomposition = row["decomposition"]
+    assert decomposition is not None and decomposition["iterations"] > 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[1] / "sim" / "workloads" / "steady.yaml"
-DEFAULT_COMPARE = "static:0,static:0.5,static:1.0,pid,bandit,feedforward"
+DEFAULT_COMPARE = "static:0,static:0.5,static:1.0,slo,pid,bandit,feedforward"
 
 
 def register(subparsers: Any) -> None:
@@ -37,8 +37,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sample", type=float, default=1.0, help="with --trace: keep this fraction of requests")
     p.add_argument("--max-context", type=int, default=2048, help="with --trace: clip prompt+output tokens")
     p.add_argument("--duration", type=float, help="stop arrivals after S simulated seconds")
-    p.add_argument("--policy", default="static:0.5",
-                   help="policy name (static:T, pid, bandit, feedforward), JSON, or a YAML/JSON file")
+    p.add_argument("--policy", default="slo",
+                   help="policy name (slo = the shipped SLO policy, static:T, pid, bandit, feedforward), JSON, or a YAML/JSON file")
     p.add_argument("--policies", default=DEFAULT_COMPARE, help="compare: comma-separated names or files")
     p.add_argument("--slo", help="SLO spec YAML/JSON (default: SLOSpec.default())")
     p.add_argument("--profile", help="profile JSON (default: the shipped hand-made SmolLM2 profile)")

@@ -172,12 +172,12 @@ class FSDConfig(_Section):
                     f"replica.initial_thresholds.{name}: {t} outside the tier's bounds "
                     f"[{tier.min_threshold}, {tier.max_threshold}]"
                 )
-        from policies.registry import make_policy
+        from policies.registry import DEFAULT_POLICY_SPEC, make_policy
 
         for name, spec in (("control.policy", self.control.policy), ("control.shadow_policy", self.control.shadow_policy)):
             if spec is not None or name == "control.policy":
                 try:
-                    make_policy(spec if spec is not None else {"policy": "pid"}, self.slo)
+                    make_policy(spec if spec is not None else DEFAULT_POLICY_SPEC, self.slo)
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
         return self

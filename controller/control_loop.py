@@ -33,14 +33,12 @@ from controller.metrics import MetricsState
 from controller.telemetry_agg import TelemetryAggregator, Window
 from policies.base import Policy
 from policies.decision import Decision
+from policies.registry import DEFAULT_POLICY_SPEC
 from policies.slo import SLOSpec
 from policies.tiers import clamp_thresholds, safe_thresholds
 
 logger = logging.getLogger("ray.serve")
 
-#: The policy used when the config names none: PID on each tier's TPOT slack, wrapped in the
-#: registry's default guards (QualityGuard on the distortion budget, FailSafe on stale telemetry).
-DEFAULT_POLICY_SPEC: dict[str, Any] = {"policy": "pid"}
 
 
 def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec) -> tuple[Policy, dict[str, Any]]:

@@ -160,6 +160,13 @@ _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Pol
 #: Names ``make_policy`` accepts.
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
+#: The shipped SLO policy (what `fsd serve` runs when the config names none): a PID on the live mean
+#: TPOT of the running batch, aiming 25 % under each tier's p95 target (a mean runs below its p95), in
+#: the default guards. Chosen by `benchmarks/policy_compare.py`: of the adaptive policies it had the
+#: best attainment in all four scenarios, each time above the static frontier at equal distortion
+#: (plain completion-driven "pid" waits for requests to finish and lags).
+DEFAULT_POLICY_SPEC: dict[str, Any] = {"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}
+
 
 def _validation_message(prefix: str, err: ValidationError) -> str:
     parts = []
@@ -181,6 +188,8 @@ def _normalise_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError("policy spec: JSON must be an object")
             return loaded
         name, _, arg = text.partition(":")
+        if name == "slo" and not arg:
+            return dict(DEFAULT_POLICY_SPEC)
         if name == "static" and arg:
             try:
                 return {"policy": "static", "thresholds": float(arg)}

@@ -178,3 +178,13 @@ def test_odd_telemetry_never_crashes_a_guarded_policy(name: str) -> None:
             assert bounds.min_threshold <= threshold <= bounds.max_threshold, (
                 f"tick {i}: {tier_name}={threshold}"
             )
+
+
+def test_slo_alias_is_the_shipped_default_policy() -> None:
+    from policies.registry import DEFAULT_POLICY_SPEC, describe, make_policy
+    from policies.slo import SLOSpec
+
+    by_alias = describe(make_policy("slo", SLOSpec.default()))
+    by_spec = describe(make_policy(dict(DEFAULT_POLICY_SPEC), SLOSpec.default()))
+    assert by_alias == by_spec
+    assert "tpot_live" in str(by_alias)

@@ -173,6 +173,10 @@ def test_continuous_batching_join_and_leave(pair: ModelPair) -> None:
     assert {str(i): engine.output(str(i)).token_ids for i in range(6)} == singles
     assert max(batch_sizes) == 3 and min(batch_sizes) < 3
     assert engine._target_cache.batch_size == 0
+    # An emptied engine takes new work.
+    engine.add_request("again", *requests[1])
+    engine.run_to_completion()
+    assert engine.output("again").token_ids == singles["1"]
 
 
 def test_holes_are_compacted_without_changing_outputs(pair: ModelPair) -> None:

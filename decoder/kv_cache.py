@@ -60,12 +60,15 @@ class BatchKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:  # type: ignore[override]
+        return self.length + query_length, 0
+
     # -------------------------------------------------------------- forward
-    def prepare(self, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prepare a forward over ``q`` new tokens per row.
 
         ``new_valid``: ``[batch, q]`` bool, False for padding queries (their slots become holes).
-        Returns ``(position_ids [batch, q], attention_mask [batch, 1, q, length + q])``.
+        Returns ``(position_ids [batch, q], attention_mask [batch, 1, q, length + q] or None)``.
         Call :meth:`commit` after the forward.
         """
         batch, q = new_valid.shape
@@ -74,12 +77,16 @@ class BatchKVCache(Cache):
         # Each row's new tokens continue its own logical positions; padding borrows its neighbour's.
         positions = self.row_lengths[:, None] + new_valid.long().cumsum(1) - 1
         positions = positions.clamp_min(0)
+        self._pending_valid = new_valid
+        if q == 1 and self.num_holes == 0 and bool(new_valid.all()):
+            # Nothing to mask: transformers then lets SDPA attend to everything, which is exact here
+            # and skips materialising a mask and repeating the KV heads (GQA) every layer.
+            return positions, None
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
         eye = torch.eye(q, dtype=torch.bool, device=self.device)
         new_part = causal & (new_valid[:, None, :] | eye)  # [batch, q, q]
         old_part = self.valid[:, None, :].expand(batch, q, self.length)  # [batch, q, length]
         mask = torch.cat([old_part, new_part], dim=2)[:, None]
-        self._pending_valid = new_valid
         return positions, mask
 
     def update(  # type: ignore[override]

@@ -373,6 +373,13 @@ def summarize(
             for base in ("target", "sd"):
                 if base in rows and rows[base]["tokens_per_s"] and row["tokens_per_s"]:
                     row[f"speedup_vs_{base}"] = row["tokens_per_s"] / rows[base]["tokens_per_s"]
+            if "target" in rows and tasks:
+                # Greedy SD must reproduce the target's text (up to bf16 batch-shape rounding); FSD drifts.
+                same = sum(
+                    by_key[(mode, s)][t].get("completion") == by_key[(mode, "target")][t].get("completion")
+                    for t in tasks
+                )
+                row["same_completion_as_target"] = same / len(tasks)
             if "sd" in rows and s != "sd" and tasks:
                 sd_pass = {t: bool(by_key[(mode, "sd")][t]["passed"]) for t in tasks}
                 own_pass = {t: bool(by_key[(mode, s)][t]["passed"]) for t in tasks}

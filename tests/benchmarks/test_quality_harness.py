@@ -281,12 +281,13 @@ def record(setting: str, task: int, passed: bool, mode: str = "greedy", **overri
 
 
 def test_summary_compares_settings_on_common_tasks_only() -> None:
-    records = [record("sd", t, passed=t < 6) for t in range(10)]
+    records = [record("target", t, passed=t < 6, completion=f"c{t}") for t in range(10)]
+    records += [record("sd", t, passed=t < 6, completion=f"c{t}") for t in range(10)]
     records += [
         record("kl@1", t, passed=t < 4 or t == 8, time_s=5.0, fuzzy_accepted=20, distortion=3.0)
         for t in range(9)
     ]  # one task short: task 9 must be excluded from both
-    summary = summarize(records, ["sd", "kl@1"], ["greedy"])
+    summary = summarize(records, ["target", "sd", "kl@1"], ["greedy"])
     block = summary["modes"]["greedy"]
     assert len(block["tasks"]) == 9
     sd, fsd = block["settings"]["sd"], block["settings"]["kl@1"]
@@ -300,6 +301,7 @@ def test_summary_compares_settings_on_common_tasks_only() -> None:
     assert vs["pass_at_1_diff"] == pytest.approx(-1 / 9)
     assert vs["mcnemar_exact_p"] == pytest.approx(1.0)
     assert vs["within_sd_ci95"] is True
+    assert sd["same_completion_as_target"] == 1.0 and fsd["same_completion_as_target"] == 0.0
 
 
 def test_settings_parse_and_reject_bad_specs() -> None:

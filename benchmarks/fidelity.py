@@ -4,7 +4,8 @@ For each scenario (``steady``: Poisson at ``--rate``; ``step``: Poisson at ``--s
 low) the seeded request list (arrival times, prompt and output lengths, from ``sim.workload``) is
 
 (a) replayed open-loop against the real service (``controller.runtime.Service``: Ray Serve on loopback,
-    the FSD replica, the controller running ``--policy``), streaming completions and timing each
+    the FSD replica, the controller running ``--policy``), streaming chat completions of the
+    calibration prompts (``--prompts filler`` for raw completions of filler text), timing each
     request at the client: TTFT = first content chunk − send, TPOT = (last − first chunk) / (tokens − 1),
     E2E = end of stream − send; T per tier sampled from ``/v1/fsd/status`` every control interval;
 (b) simulated with the calibrated profile, the same policy spec, SLO, control interval, batch size and
@@ -22,7 +23,8 @@ Smoke (tiny random pair and a profile calibrated for it; ~2-3 min)::
 
     fsd calibrate --pair tiny --quick --out results/tiny_profile.json
     .venv/bin/python benchmarks/fidelity.py --pair tiny --profile results/tiny_profile.json \\
-        --duration-s 20 --rate 4 --step-rates 2,8 --out results/fidelity_tiny.json
+        --duration-s 20 --rate 2 --step-rates 1,4 --output-tokens 64,128 --interval 0.5 \\
+        --out results/fidelity_tiny.json
 
 Real figures (default pair with its shipped profile; ~6 min on a quiet machine)::
 
@@ -106,14 +108,24 @@ def prompt_text(n_tokens: int, i: int) -> str:
 async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens: int, max_tokens: int,
                        args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-    body = {"prompt": prompt_text(prompt_tokens, i), "max_tokens": max_tokens, "temperature": args.temperature,
-            "seed": args.seed * 100_003 + i, "stream": True, "fsd": {"tier": args.tier}}
+    common = {"max_tokens": max_tokens, "temperature": args.temperature, "seed": args.seed * 100_003 + i,
+              "stream": True, "fsd": {"tier": args.tier}}
+    if args.prompts == "calibration":
+        # The text the profile's acceptance was measured on: acceptance depends on the text (filler
+        # words are far more predictable than answers to instructions).
+        from controller.calibration import CALIBRATION_PROMPTS
+
+        path = "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]}], **common}
+    else:
+        path = "/v1/completions"
+        body = {"prompt": prompt_text(prompt_tokens, i), **common}
     sent = time.monotonic()
     rec: dict[str, Any] = {"i": i, "scheduled_s": at, "arrival_s": sent - t0, "status": None,
                            "max_tokens": max_tokens, "prompt_tokens_asked": prompt_tokens}
     first = last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             rec["status"] = r.status_code
             if r.status_code != 200:
                 await r.aread()
@@ -126,7 +138,8 @@ async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens:
                     rec["status"] = chunk["error"].get("code", 500)
                     continue
                 now = time.monotonic()
-                if chunk["choices"][0].get("text"):
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     first = first or now
                     last = now
                 if "usage" in chunk:
@@ -432,7 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=120.0, help="arrival window per scenario")
     p.add_argument("--rate", type=float, default=0.6, help="steady Poisson rate (req/s)")
     p.add_argument("--step-rates", type=_pair_of_rates, default=(0.3, 1.2), help="LOW,HIGH: low → high → low")
-    p.add_argument("--prompt-tokens", type=_pair_of_ints, default=(32, 160), help="uniform LOW,HIGH")
+    p.add_argument(
+        "--prompts",
+        choices=("calibration", "filler"),
+        default="calibration",
+        help="'calibration': the calibration prompt set as chat requests (the text the profile's acceptance "
+        "was measured on; prompt lengths are the set's); 'filler': raw completions of --prompt-tokens filler words",
+    )
+    p.add_argument("--prompt-tokens", type=_pair_of_ints, default=(32, 160), help="uniform LOW,HIGH (filler)")
     p.add_argument("--output-tokens", type=_pair_of_ints, default=(32, 96), help="uniform LOW,HIGH (max_tokens)")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--policy", default='{"policy": "pid"}', help="JSON policy spec (both legs)")

@@ -59,7 +59,7 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
 
     args = fidelity.build_parser().parse_args([
         "--pair", "tiny", "--profile", str(tiny_profile_path), "--scenarios", "steady", "--duration-s", "10",
-        "--rate", "1.5", "--prompt-tokens", "2,6", "--output-tokens", "160,200", "--interval", "0.25",
+        "--rate", "1.5", "--output-tokens", "160,200", "--interval", "0.25",
         "--max-batch", "4", "--replica-cpus", "0.5", "--request-timeout", "120",
         "--policy", '{"policy": "static", "thresholds": 0.5, "guards": false}',
     ])

@@ -87,10 +87,12 @@ class ControlConfig(_Section):
     """The control loop: how often, which policy, which candidate in shadow."""
 
     interval_s: float = Field(1.0, gt=0, le=60, description="control tick period")
-    policy: dict[str, Any] | None = Field(
-        None, description="policy spec for policies.registry.make_policy (None = the default SLO policy)"
+    policy: dict[str, Any] | str | None = Field(
+        None,
+        description="policy spec for policies.registry.make_policy: a mapping or a name such as 'slo', "
+        "'pid', 'static:0.5' (None = the shipped SLO policy)",
     )
-    shadow_policy: dict[str, Any] | None = Field(
+    shadow_policy: dict[str, Any] | str | None = Field(
         None, description="candidate policy run beside the active one; logged, never applied"
     )
     history: int = Field(300, ge=1, le=100_000, description="(telemetry, decision) records kept for status")

@@ -188,8 +188,6 @@ def _normalise_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError("policy spec: JSON must be an object")
             return loaded
         name, _, arg = text.partition(":")
-        if name == "slo" and not arg:
-            return dict(DEFAULT_POLICY_SPEC)
         if name == "static" and arg:
             try:
                 return {"policy": "static", "thresholds": float(arg)}
@@ -215,9 +213,14 @@ def make_policy(
     or listing the known names for an unknown policy.
     """
     raw = _normalise_spec(spec)
+    if raw.get("policy") == "slo":
+        # The alias expands to the shipped spec; keys given beside it (guards, gains) override.
+        raw = {**DEFAULT_POLICY_SPEC, **{k: v for k, v in raw.items() if k != "policy"}}
     name = raw.pop("policy", None)
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"policy: unknown policy {name!r}; known policies: {list(POLICY_NAMES)}")
+        raise ValueError(
+            f"policy: unknown policy {name!r}; known policies: {['slo', *POLICY_NAMES]}"
+        )
     guards_raw = raw.pop("guards", {})
     params_model, build = _REGISTRY[name]
     try:

@@ -509,7 +509,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         generated = _generate_all(args, settings, modes, problems, store)
 
     names = [s.name for s in settings]
-    summary = summarize(store.records.values(), names, modes)
+    task_ids = set(by_id)  # a store may hold more tasks (an earlier, larger --limit): report this subset
+    summary = summarize([r for r in store.records.values() if r["task_id"] in task_ids], names, modes)
     summary.update(
         pair=args.pair,
         num_draft_tokens=args.num_draft_tokens,

@@ -116,7 +116,8 @@ async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens:
         from controller.calibration import CALIBRATION_PROMPTS
 
         path = "/v1/chat/completions"
-        body = {"messages": [{"role": "user", "content": CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]}], **common}
+        prompts = CALIBRATION_PROMPTS[: args.prompt_count or len(CALIBRATION_PROMPTS)]
+        body = {"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], **common}
     else:
         path = "/v1/completions"
         body = {"prompt": prompt_text(prompt_tokens, i), **common}
@@ -452,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="'calibration': the calibration prompt set as chat requests (the text the profile's acceptance "
         "was measured on; prompt lengths are the set's); 'filler': raw completions of --prompt-tokens filler words",
     )
+    p.add_argument(
+        "--prompt-count",
+        type=int,
+        default=None,
+        help="use the first N calibration prompts (default: as many as the profile was calibrated on)",
+    )
     p.add_argument("--prompt-tokens", type=_pair_of_ints, default=(32, 160), help="uniform LOW,HIGH (filler)")
     p.add_argument("--output-tokens", type=_pair_of_ints, default=(32, 96), help="uniform LOW,HIGH (max_tokens)")
     p.add_argument("--max-context", type=int, default=2048)
@@ -498,6 +505,10 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
         raise ValueError(f"--profile is required for pair {args.pair!r} (the shipped profile is smollm2-135m's)")
     profile_path = Path(args.profile) if args.profile else MEASURED_PROFILE
     profile = Profile.load(profile_path) if profile_path.exists() else Profile.default()
+    if args.prompt_count is None and profile.calibration is not None:
+        from controller.calibration import CalibrationRecord
+
+        args.prompt_count = CalibrationRecord.model_validate(profile.calibration).settings.prompts
     try:
         policy = json.loads(args.policy)
     except json.JSONDecodeError as exc:

@@ -71,7 +71,7 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
         serve.delete(APP)
     row = report["table"][0]
     real, sim, err = row["real"], row["sim"], row["error"]
-    assert real["requests"] > 10
+    assert real["requests"] >= 5
     assert real["completed"] == real["requests"], "every request must be answered"
     assert sim["completed"] == real["requests"], "the simulator replays exactly the real requests"
     assert real["output_tokens"] == sim["output_tokens"], "same output lengths on both legs"

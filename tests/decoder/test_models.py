@@ -12,6 +12,7 @@ from decoder.models import (
     DEFAULT_PAIR,
     SHIPPED_PAIRS,
     ModelPair,
+    cache_dir,
     check_tokenizers_match,
     is_int8_dynamic,
     load_pair,
@@ -313,6 +314,10 @@ def test_smollm2_cache_round_trip_gives_identical_logits(smollm2_loads: tuple[Mo
     assert from_cache.tokenizer.chat_template == from_gguf.tokenizer.chat_template
 
 
+#: The user's cache, read at import: module fixtures above point FSD_CACHE_DIR at private dirs.
+_USER_CACHE = cache_dir()
+
+
 def _qwen_fetched() -> bool:
     from decoder.model_fetch import pair_status
 
@@ -321,7 +326,8 @@ def _qwen_fetched() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _qwen_fetched(), reason="run `fsd models fetch qwen2.5-coder-1.5b` first")
-def test_qwen_pair_loads_with_matching_tokenizers_and_writes_code() -> None:
+def test_qwen_pair_loads_with_matching_tokenizers_and_writes_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSD_CACHE_DIR", str(_USER_CACHE))
     pair = load_pair("qwen2.5-coder-1.5b")
     assert pair.target.dtype == torch.bfloat16
     assert is_int8_dynamic(pair.draft)

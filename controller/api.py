@@ -235,6 +235,7 @@ class FSDIngress:
             "top_k": body.top_k,
             "stop": body.stop_list(),
             "seed": body.seed,
+            "ignore_eos": body.ignore_eos,
             "tier": tier or None,
             "threshold": threshold,
         }

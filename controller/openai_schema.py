@@ -30,6 +30,7 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=0)
     stop: str | list[str] | None = None
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode exactly max_tokens (load tests, benchmarks)
     stream: bool = False
     n: int = Field(1, ge=1)
     fsd: FSDOptions | None = None

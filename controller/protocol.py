@@ -48,6 +48,7 @@ class GenerationRequest(BaseModel):
     top_k: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False
     tier: str | None = None
     threshold: float | None = None
 

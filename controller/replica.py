@@ -257,6 +257,7 @@ class FSDReplica:
             top_p=req.top_p,
             max_new_tokens=max_tokens,
             stop=tuple(req.stop),
+            eos_token_ids=() if req.ignore_eos else None,
             seed=req.seed,
         )
         try:

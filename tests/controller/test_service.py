@@ -120,6 +120,18 @@ def test_completion_has_usage_and_fsd(client: httpx.Client) -> None:
     assert fsd["distortion"] >= 0.0
 
 
+def test_ignore_eos_decodes_exactly_max_tokens(client: httpx.Client) -> None:
+    # The tiny random model emits its eos early for most seeds; ignore_eos must run to max_tokens.
+    for seed in range(3):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "seed": seed, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 40, f"seed {seed}: {body['usage']}"
+        assert body["choices"][0]["finish_reason"] == "length"
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": "yes"})
+    assert r.status_code == 422 and "ignore_eos" in r.text
+
+
 def test_chat_stream_matches_non_stream_on_lossless_tier(client: httpx.Client) -> None:
     # The lossless tier pins T = 0 and a seeded request draws only from its own generator, so the
     # streamed and the non-streamed answer must be the same text.
@@ -424,8 +436,9 @@ def test_replica_killed_under_load_every_request_answered(service: str, client: 
 
 
 def test_status_reports_replicas_and_history(client: httpx.Client) -> None:
-    st = _status(client, history=3)
-    assert st["replicas"] and all("failsafe" in r and "thresholds" in r for r in st["replicas"])
+    # Runs after replicas were killed and replaced: the controller lists them from its next tick on.
+    st = _wait(lambda: (s := _status(client, history=3))["replicas"] and s, 30, "replicas in status")
+    assert all("failsafe" in r and "thresholds" in r for r in st["replicas"])
     assert len(st["history"]) <= 3
     assert st["telemetry"] is None or math.isfinite(st["telemetry"]["window_s"])
     assert st["policy"]["name"]

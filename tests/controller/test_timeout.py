@@ -22,11 +22,15 @@ def test_deadline_gives_504_and_frees_the_slot(ray_serve: RayServe) -> None:
     from controller.app import build_app
     from controller.config import parse_config
 
+    # k = 1 and the longest output the tiny context allows: ~300 iterations, well past the 0.3 s deadline
+    # even on a quiet machine (with k = 4 and 400 tokens a warm replica could finish in time).
     cfg = parse_config(tiny_config(serve={"app_name": APP, "route_prefix": "/slow"},
+                                   model={"pair": "tiny", "max_batch_size": 4, "num_draft_tokens": 1},
+                                   replica={"max_new_tokens_limit": 480},
                                    http={"request_timeout_s": 0.3}))
     serve.run(build_app(cfg), name=APP, route_prefix="/slow")
     url = f"{ray_serve.base_url}/slow"
-    body = {"prompt": "long", "max_tokens": 400, "fsd": {"tier": "lossless"}}
+    body = {"prompt": "long", "max_tokens": 480, "ignore_eos": True, "fsd": {"tier": "lossless"}}
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
             r = c.post("/v1/completions", json=body)

@@ -25,6 +25,9 @@ class RequestTable:
         self.prompt_tokens = requests.prompt_tokens.astype(np.int64)
         self.output_tokens = requests.output_tokens.astype(np.int64)
         self.tier = requests.tier.astype(np.int64)
+        # Plain-int copies for the replicas' per-admission lookups (cheaper than numpy scalars).
+        self.prompt_list: list[int] = self.prompt_tokens.tolist()
+        self.output_list: list[int] = self.output_tokens.tolist()
         self.replica = np.full(n, -1, dtype=np.int32)
         self.start_s = np.full(n, np.nan)  # admitted into a batch (prefill starts)
         self.first_token_s = np.full(n, np.nan)

@@ -48,24 +48,24 @@ class DecodeSettings:
     k: int
     survival_by_tier: np.ndarray  # [n_tiers, k] P(at least i+1 drafts accepted)
     distortion_by_tier: np.ndarray  # [n_tiers] mean TV per emitted decode token
-    neg_survival_by_tier: np.ndarray  # [n_tiers, k] −survival (ascending, for searchsorted)
+    survival_asc_by_tier: np.ndarray  # [n_tiers, k] survival reversed (ascending, for searchsorted)
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     iteration_coeffs: tuple[float, float]  # iteration ms = fixed + per_seq · B at the current k
 
 
-@dataclass
+@dataclass(slots=True)
 class _Segment:
     ids: np.ndarray  # [B] request ids in the batch (joiners first)
     remaining: np.ndarray  # [B] tokens each still had to emit when the segment started
     end_s: np.ndarray  # [L] absolute end time of each iteration
-    tokens: np.ndarray  # [L, B] emitted tokens (clipped; 0 once a sequence is done)
+    emitted: np.ndarray  # [L, B] tokens emitted by the end of iteration j (cumulative, clipped)
     finish_iter: np.ndarray  # [B] iteration at whose end the sequence completes; > L-1 if not in segment
-    finished_by: np.ndarray  # [L] sequences completed by the end of iteration j
     active_after: np.ndarray  # [L] sequences still running after iteration j
-    iter_seqs: np.ndarray  # [L] sequences in each decode iteration (0 for the prefill iteration)
     distortion_per_token: np.ndarray  # [B]
     features: np.ndarray  # [L, F] per-iteration window sums (see WindowBins)
     bins: np.ndarray  # [L] window bin of each iteration
+    completions: list[tuple[int, int]]  # (iteration, request id) of the completions inside the draw
+    tiers: frozenset[int]  # tiers present in the batch (a threshold change elsewhere leaves it be)
     n_new: int  # the first n_new of ids joined in this segment (iteration 0 is their prefill)
     length: int  # iterations in force (truncation lowers it)
 
@@ -110,91 +110,108 @@ class Replica:
         seg = self.segment
         if seg is None:
             return int(self.running.size) + len(self.queue)
-        j = int(seg.end_s[: seg.length].searchsorted(now, side="right"))
-        done = int(seg.finished_by[j - 1]) if j else 0
-        return int(seg.ids.size) - done + len(self.queue)
+        j = int(seg.end_s.searchsorted(now, side="right"))
+        if j == 0:
+            return int(seg.ids.size) + len(self.queue)
+        return int(seg.active_after[min(j, seg.length) - 1]) + len(self.queue)
 
     # ---------------------------------------------------------------- segments
 
     def start_segment(self, now: float, settings: DecodeSettings) -> float | None:
         """Admit from the queue and draw the next segment; returns its end time (None when idle)."""
+        # Hot path (once per arrival and per segment end): few numpy calls, plain ints where small.
         table = self.table
-        new: list[int] = []
-        room = self.max_batch - int(self.running.size)
-        while self.queue and room > 0:
-            new.append(self.queue.popleft())
-            room -= 1
-        if not new and self.running.size == 0:
-            self.segment = None
-            return None
-        n_new = len(new)
-        if n_new:
-            new_ids = np.asarray(new, dtype=np.int64)
-            table.start_s[new_ids] = now
-            ids = np.concatenate([new_ids, self.running])
-            remaining = np.concatenate([table.output_tokens[new_ids], self.remaining])
+        queue = self.queue
+        running = self.running
+        n_run = int(running.size)
+        n_new = min(len(queue), self.max_batch - n_run)
+        if n_new <= 0:
+            if n_run == 0:
+                self.segment = None
+                return None
+            n_new = 0
+            ids, remaining = running, self.remaining
+            decode_left = remaining.tolist()
+            prefill_tokens = 0
         else:
-            ids, remaining = self.running, self.remaining
-        b = ids.size
+            new = [queue.popleft() for _ in range(n_new)]
+            new_ids = np.array(new, dtype=np.int64)
+            table.start_s[new_ids] = now
+            out_list, prompt_list = table.output_list, table.prompt_list
+            new_out = [out_list[i] for i in new]
+            prefill_tokens = sum(prompt_list[i] for i in new)
+            decode_left = [n - 1 for n in new_out]  # joiners get their first token from the prefill
+            if n_run:
+                ids = np.concatenate((new_ids, running))
+                remaining = np.concatenate((np.array(new_out, dtype=np.int64), self.remaining))
+                decode_left += self.remaining.tolist()
+            else:
+                ids, remaining = new_ids, np.array(new_out, dtype=np.int64)
+        b = n_new + n_run
         tiers = table.tier[ids]
 
         # Horizon: enough decode iterations for the shortest sequence if someone waits for a slot,
         # otherwise for the longest one; capped (the segment just continues in a fresh draw).
-        decode_remaining = remaining - 1 if n_new == b else remaining.copy()
-        if n_new < b:
-            decode_remaining[:n_new] -= 1  # joiners get their first token from the prefill
-        need = int(decode_remaining.min()) if self.queue else int(decode_remaining.max())
+        need = min(decode_left) if queue else max(decode_left)
         h = max(1, min(need, self.horizon_iters))
 
         # accepted = #{i : u < S_i} with S_i = P(at least i+1 accepted), non-increasing in i: an exact
-        # draw of the accepted count from one uniform, as a binary search in -S (ascending).
+        # draw of the accepted count from one uniform, as k − #{i : S_i <= u}, a binary search in S
+        # reversed (ascending). Tokens emitted = accepted + 1.
         u = self.rng.random((h, b))
-        neg_survival = settings.neg_survival_by_tier
-        t0 = int(tiers[0])
-        if b == 1 or bool((tiers == t0).all()):
-            accepted = neg_survival[t0].searchsorted(-u)
-        else:
-            accepted = np.empty((h, b), dtype=np.int64)
-            for t in np.unique(tiers).tolist():
-                cols = tiers == t
-                accepted[:, cols] = neg_survival[t].searchsorted(-u[:, cols])
+        survival_asc = settings.survival_asc_by_tier
+        k_plus_1 = settings.k + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
         n_iter = h + off
-        raw = np.empty((n_iter, b), dtype=np.int64)
+        cum = np.empty((n_iter, b), dtype=np.int64)
+        dec = cum[off:]
+        t0 = int(tiers[0])
+        if b == 1 or int(tiers.min()) == int(tiers.max()):
+            np.subtract(k_plus_1, survival_asc[t0].searchsorted(u, side="right"), out=dec)
+            tier_set = frozenset((t0,))
+        else:
+            present = np.unique(tiers).tolist()
+            for t in present:
+                cols = tiers == t
+                dec[:, cols] = k_plus_1 - survival_asc[t].searchsorted(u[:, cols], side="right")
+            tier_set = frozenset(present)
         if n_new:
-            raw[0] = 0
-            raw[0, :n_new] = 1
-        np.add(accepted, 1, out=raw[off:])
-        cum = raw.cumsum(axis=0)
-        capped = np.minimum(cum, remaining)
-        tokens = capped.copy()  # [L, B]
-        tokens[1:] -= capped[:-1]
-        # Index of the iteration in which each sequence completes (n_iter: not within this draw).
-        finish_iter = (cum < remaining).sum(axis=0)
-        finished_by = np.bincount(finish_iter, minlength=n_iter + 1)[:n_iter].cumsum()
-        active_after = b - finished_by  # [L]
-        active_before = np.empty(n_iter, dtype=np.int64)
-        active_before[0] = b
-        active_before[1:] = active_after[:-1]
+            cum[0, :n_new] = 1
+            cum[0, n_new:] = 0
+        np.cumsum(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
+        alive = cum < remaining  # [L, B] still running after iteration j
+        emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
+        finish_iter = alive.sum(axis=0)  # iteration in which each completes (n_iter: not in this draw)
+        active_after = alive.sum(axis=1)  # [L]
 
+        # Iteration j runs the sequences active after j − 1 (all b for the first).
         fixed_ms, per_seq_ms = settings.iteration_coeffs
-        dt_ms = fixed_ms + per_seq_ms * active_before
+        dt_ms = np.empty(n_iter)
+        dt_ms[0] = fixed_ms + per_seq_ms * b
+        np.multiply(active_after[:-1], per_seq_ms, out=dt_ms[1:])
+        dt_ms[1:] += fixed_ms
         if n_new:
-            dt_ms[0] = self.latency.prefill_ms(int(table.prompt_tokens[new_ids].sum()))
+            dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
-            dt_ms = dt_ms * self.rng.exponential(1.0, size=n_iter)
-        end_s = now + dt_ms.cumsum() / 1000.0
+            dt_ms *= self.rng.exponential(1.0, size=n_iter)
+        end_s = dt_ms.cumsum()
+        end_s /= 1000.0
+        end_s += now
 
         # Last iteration that can run: the batch empties, or (someone queued) a slot frees up.
-        length = n_iter if active_before[-1] else int(np.argmin(active_before))
-        if self.queue:
-            room_at = np.flatnonzero(active_after[:length] < self.max_batch)
-            if room_at.size:
-                length = int(room_at[0]) + 1
+        stop = active_after < (self.max_batch if queue else 1)
+        j = int(stop.argmax())
+        length = j + 1 if stop[j] else n_iter
 
         # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
         # row of tier_weights is [1, 0, 0, d_τ, onehot(τ), d_τ·onehot(τ)] for its tier τ.
-        features = tokens.astype(np.float64) @ settings.tier_weights[tiers]  # [L, F]
+        tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
+        tokens[0] = emitted[0]
+        np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
+        features = tokens @ settings.tier_weights[tiers]  # [L, F]
+        active_before = dt_ms  # reuse the buffer: sequences in each decode iteration
+        active_before[0] = b
+        active_before[1:] = active_after[:-1]
         features[:, 1] = active_before
         # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
         # iteration is clipped at its output length, which undercounts that iteration's accepts.
@@ -204,33 +221,36 @@ class Replica:
             features[0, 4 + self.bins.n_tiers :] = 0.0
         bins = self.bins.bin_of(end_s)
         self.bins.add(bins[:length], features[:length])
-        dpt = settings.distortion_by_tier[tiers]
 
         if n_new:
             table.first_token_s[new_ids] = end_s[0]
-        fin = finish_iter < length
-        if fin.any():
+        completions: list[tuple[int, int]] = []
+        fin = np.flatnonzero(finish_iter < length)
+        if fin.size:
+            fin_iter = finish_iter[fin]
             done_ids = ids[fin]
-            table.completion_s[done_ids] = end_s[finish_iter[fin]]
+            table.completion_s[done_ids] = end_s[fin_iter]
             add = self.bins.add_completion
-            for rid, w in zip(done_ids.tolist(), bins[finish_iter[fin]].tolist(), strict=True):
-                add(w, rid)
+            bins_l = bins.tolist()
+            for it, rid in zip(fin_iter.tolist(), done_ids.tolist(), strict=True):
+                completions.append((it, rid))
+                add(bins_l[it], rid)
 
         self.running, self.remaining = ids, remaining
         self.segment = _Segment(
-            ids=ids,
-            remaining=remaining,
-            end_s=end_s,
-            tokens=tokens,
-            finish_iter=finish_iter,
-            finished_by=finished_by,
-            active_after=active_after,
-            iter_seqs=features[:, 1],
-            distortion_per_token=dpt,
-            features=features,
-            bins=bins,
-            n_new=n_new,
-            length=length,
+            ids,
+            remaining,
+            end_s,
+            emitted,
+            finish_iter,
+            active_after,
+            settings.distortion_by_tier[tiers],
+            features,
+            bins,
+            completions,
+            tier_set,
+            n_new,
+            length,
         )
         self.version += 1
         return float(end_s[length - 1])
@@ -243,15 +263,17 @@ class Replica:
         seg = self.segment
         if seg is None:
             return None
-        j = int(seg.end_s[: seg.length].searchsorted(now, side="left"))
-        if j >= seg.length:
+        length = seg.length
+        j = int(seg.end_s.searchsorted(now, side="left"))
+        if j >= length:
             return None
         if need_room:
-            room = np.flatnonzero(seg.active_after[j : seg.length] < self.max_batch)
-            if room.size == 0:
+            room = seg.active_after[j:length] < self.max_batch
+            r = int(room.argmax())
+            if not room[r]:
                 return None
-            j += int(room[0])
-        if j + 1 == seg.length:
+            j += r
+        if j + 1 == length:
             return None
         self._void_after(seg, j + 1)
         self.version += 1
@@ -261,9 +283,11 @@ class Replica:
         """Take back the iterations [new_length, length) of a drawn segment."""
         old = seg.length
         self.bins.add(seg.bins[new_length:old], seg.features[new_length:old], sign=-1.0)
-        voided = (seg.finish_iter >= new_length) & (seg.finish_iter < old)
-        if voided.any():
-            self.table.completion_s[seg.ids[voided]] = np.nan
+        if seg.completions:
+            voided = [rid for it, rid in seg.completions if it >= new_length]
+            if voided:
+                self.table.completion_s[voided] = np.nan
+                seg.completions = [(it, rid) for it, rid in seg.completions if it < new_length]
         if new_length == 0 and seg.n_new:
             self.table.first_token_s[seg.ids[: seg.n_new]] = np.nan
         seg.length = new_length
@@ -284,7 +308,7 @@ class Replica:
         seg = self.segment
         if seg is None:
             return
-        j = int(seg.end_s[: seg.length].searchsorted(now, side="right"))
+        j = int(seg.end_s.searchsorted(now, side="right"))
         if j < seg.length:
             self._void_after(seg, j)
         self._fold(seg)
@@ -293,12 +317,17 @@ class Replica:
     def _fold(self, seg: _Segment) -> None:
         n = seg.length
         table = self.table
-        per_seq = seg.tokens[:n].sum(axis=0)
-        decode = per_seq - seg.tokens[0] if (seg.n_new and n) else per_seq
-        table.emitted[seg.ids] += per_seq
-        table.distortion_sum[seg.ids] += decode * seg.distortion_per_token
-        self.iterations += int(np.count_nonzero(seg.iter_seqs[:n]))
-        keep = seg.finish_iter >= n
-        self.running = seg.ids[keep]
-        self.remaining = (seg.remaining - per_seq)[keep]
+        ids = seg.ids
+        if n:
+            per_seq = seg.emitted[n - 1]
+            # Decode tokens carry distortion; the joiners' prefill token (row 0) is target-sampled.
+            decode = per_seq - seg.emitted[0] if seg.n_new else per_seq
+            table.emitted[ids] += per_seq
+            table.distortion_sum[ids] += decode * seg.distortion_per_token
+            self.iterations += n - 1 if seg.n_new else n
+            keep = seg.finish_iter >= n
+            self.running = ids[keep]
+            self.remaining = (seg.remaining - per_seq)[keep]
+        else:
+            self.running, self.remaining = ids, seg.remaining
         self.segment = None

@@ -94,6 +94,7 @@ class Simulator:
         self.k = config.k or profile.default_k
         profile.thresholds(self.div, self.k)  # ValueError naming div/k when absent
         self.tier_names = list(slo.tiers)
+        self._tier_index = {name: i for i, name in enumerate(self.tier_names)}
         if isinstance(workload, Workload):
             self.workload_name = workload.name
             self.requests = workload.generate(self.rng, self.tier_names, slo.default_tier)
@@ -108,7 +109,7 @@ class Simulator:
             k=self.k,
             survival_by_tier=np.zeros((len(self.tier_names), self.k)),
             distortion_by_tier=np.zeros(len(self.tier_names)),
-            neg_survival_by_tier=np.zeros((len(self.tier_names), self.k)),
+            survival_asc_by_tier=np.zeros((len(self.tier_names), self.k)),
             tier_weights=np.zeros((len(self.tier_names), 4 + 2 * len(self.tier_names))),
             iteration_coeffs=profile.latency.iteration_coeffs(self.k),
         )
@@ -176,7 +177,7 @@ class Simulator:
         s.distortion_by_tier = np.array(
             [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n in self.tier_names]
         )
-        s.neg_survival_by_tier = -s.survival_by_tier
+        s.survival_asc_by_tier = np.ascontiguousarray(s.survival_by_tier[:, ::-1])
         n_t = len(self.tier_names)
         w = np.zeros((n_t, 4 + 2 * n_t))
         w[:, 0] = 1.0
@@ -266,27 +267,30 @@ class Simulator:
         return []
 
     def on_apply_decision(self, now: float, decision: Decision) -> list[Event]:
-        changed = False
+        changed_tiers: set[int] = set()
         new = clamp_thresholds(self.slo, dict(decision.thresholds))
         for name, t in new.items():
             if t != self.thresholds[name]:
                 self.thresholds[name] = t
-                changed = True
+                changed_tiers.add(self._tier_index[name])
+        k_changed = False
         k = decision.draft_length
         if k is not None and k != self.k:
             if k in self.profile.draft_lengths(self.div):
                 self.k = k
-                changed = True
+                k_changed = True
             else:
                 self.ignored_draft_lengths.add(k)
         if decision.replicas is not None:
             self._policy_replicas = decision.replicas
-        if not changed:
+        if not changed_tiers and not k_changed:
             return []
         self._refresh_settings()
+        # A drawn segment depends on k and on the thresholds of the tiers in its batch only.
         out: list[Event] = []
         for r in self.replicas:
-            if r.segment is not None:
+            seg = r.segment
+            if seg is not None and (k_changed or not changed_tiers.isdisjoint(seg.tiers)):
                 moved = r.truncate(now, need_room=False)
                 if moved is not None:
                     out.append(SegmentEnd(moved, r.id, r.version))

@@ -28,6 +28,8 @@ class RequestTable:
         # Plain-int copies for the replicas' per-admission lookups (cheaper than numpy scalars).
         self.prompt_list: list[int] = self.prompt_tokens.tolist()
         self.output_list: list[int] = self.output_tokens.tolist()
+        self.arrival_list: list[float] = self.arrival_s.tolist()
+        self.single_tier = n == 0 or bool((self.tier == self.tier[0]).all())
         self.replica = np.full(n, -1, dtype=np.int32)
         self.start_s = np.full(n, np.nan)  # admitted into a batch (prefill starts)
         self.first_token_s = np.full(n, np.nan)
@@ -64,11 +66,18 @@ class WindowBins:
         self.completed: dict[int, list[int]] = {}
 
     def bin_of(self, t: np.ndarray) -> np.ndarray:
+        """Bins of ascending times ``t``."""
         b = np.ceil(t / self.interval_s).astype(np.int64)
-        return np.minimum(b, self.sums.shape[0] - 1)  # past the horizon: a bin no tick reads
+        last = self.sums.shape[0] - 1
+        if b.size and int(b[-1]) > last:
+            np.minimum(b, last, out=b)  # past the horizon: a bin no tick reads
+        return b
 
-    def add(self, bins: np.ndarray, features: np.ndarray, sign: float = 1.0) -> None:
-        np.add.at(self.sums, bins, features if sign > 0 else -features)
+    def add(self, bins: np.ndarray, features: np.ndarray) -> None:
+        np.add.at(self.sums, bins, features)
+
+    def subtract(self, bins: np.ndarray, features: np.ndarray) -> None:
+        np.subtract.at(self.sums, bins, features)
 
     def add_completion(self, bin_index: int, request_id: int) -> None:
         self.completed.setdefault(bin_index, []).append(request_id)

@@ -51,15 +51,21 @@ def latencies_ms(table: RequestTable, ids: np.ndarray) -> tuple[np.ndarray, np.n
     c = table.completion_s[ids]
     n = table.output_tokens[ids]
     ttft = (f - a) * 1000.0
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(n > 1, (c - f) * 1000.0 / np.maximum(n - 1, 1), np.nan)
+    tpot = (c - f) * 1000.0 / np.maximum(n - 1, 1)  # divisor >= 1: no division warnings
+    tpot[n <= 1] = np.nan
     e2e = (c - a) * 1000.0
     return ttft, tpot, e2e
 
 
-def slo_met(table: RequestTable, ids: np.ndarray, slo: SLOSpec) -> np.ndarray:
-    """Per completed request in ``ids``: did it meet every latency target of its tier?"""
-    ttft, tpot, e2e = latencies_ms(table, ids)
+Latencies = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def slo_met(table: RequestTable, ids: np.ndarray, slo: SLOSpec, latencies: Latencies | None = None) -> np.ndarray:
+    """Per completed request in ``ids``: did it meet every latency target of its tier?
+
+    ``latencies``: ``latencies_ms(table, ids)`` when the caller has it already.
+    """
+    ttft, tpot, e2e = latencies if latencies is not None else latencies_ms(table, ids)
     tiers = table.tier[ids]
     met = np.ones(ids.size, dtype=bool)
     for i, name in enumerate(table.tier_names):
@@ -86,10 +92,16 @@ def tier_windows(
     thresholds: dict[str, float],
     tier_tokens: np.ndarray,
     tier_distortion: np.ndarray,
+    latencies: Latencies | None = None,
 ) -> tuple[dict[str, TierWindow], np.ndarray]:
-    """Per-tier window slices for the completions of one window, and the per-request met mask."""
-    met = slo_met(table, completed_ids, slo)
-    ttft, tpot, e2e = latencies_ms(table, completed_ids)
+    """Per-tier window slices for the completions of one window, and the per-request met mask.
+
+    ``latencies``: ``latencies_ms(table, completed_ids)`` when the caller has it already.
+    """
+    if latencies is None:
+        latencies = latencies_ms(table, completed_ids)
+    met = slo_met(table, completed_ids, slo, latencies)
+    ttft, tpot, e2e = latencies
     tiers = table.tier[completed_ids]
     out: dict[str, TierWindow] = {}
     for i, name in enumerate(table.tier_names):
@@ -134,8 +146,8 @@ def summarize(
     """The run summary (see the module docstring for definitions)."""
     done = np.nonzero(table.completed)[0]
     n = table.n
-    met = slo_met(table, done, slo)
-    ttft, tpot, e2e = latencies_ms(table, done)
+    ttft, tpot, e2e = latencies = latencies_ms(table, done)
+    met = slo_met(table, done, slo, latencies)
     wait = (table.start_s[done] - table.arrival_s[done]) * 1000.0
     out_tokens = int(table.emitted.sum())
     rejected = int(table.rejected.sum())

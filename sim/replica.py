@@ -148,7 +148,7 @@ class Replica:
             else:
                 ids, remaining = new_ids, np.array(new_out, dtype=np.int64)
         b = n_new + n_run
-        tiers = table.tier[ids]
+        tiers = table.tier.take(ids)
 
         # Horizon: enough decode iterations for the shortest sequence if someone waits for a slot,
         # otherwise for the longest one; capped (the segment just continues in a fresh draw).
@@ -166,7 +166,7 @@ class Replica:
         cum = np.empty((n_iter, b), dtype=np.int64)
         dec = cum[off:]
         t0 = int(tiers[0])
-        if b == 1 or int(tiers.min()) == int(tiers.max()):
+        if b == 1 or table.single_tier or int(tiers.min()) == int(tiers.max()):
             np.subtract(k_plus_1, survival_asc[t0].searchsorted(u, side="right"), out=dec)
             tier_set = frozenset((t0,))
         else:
@@ -178,7 +178,7 @@ class Replica:
         if n_new:
             cum[0, :n_new] = 1
             cum[0, n_new:] = 0
-        np.cumsum(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
+        np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
         alive = cum < remaining  # [L, B] still running after iteration j
         emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
         finish_iter = alive.sum(axis=0)  # iteration in which each completes (n_iter: not in this draw)
@@ -194,7 +194,7 @@ class Replica:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
             dt_ms *= self.rng.exponential(1.0, size=n_iter)
-        end_s = dt_ms.cumsum()
+        end_s = np.add.accumulate(dt_ms)
         end_s /= 1000.0
         end_s += now
 
@@ -208,7 +208,7 @@ class Replica:
         tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
         tokens[0] = emitted[0]
         np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
-        features = tokens @ settings.tier_weights[tiers]  # [L, F]
+        features = tokens @ settings.tier_weights.take(tiers, axis=0)  # [L, F]
         active_before = dt_ms  # reuse the buffer: sequences in each decode iteration
         active_before[0] = b
         active_before[1:] = active_after[:-1]
@@ -225,7 +225,7 @@ class Replica:
         if n_new:
             table.first_token_s[new_ids] = end_s[0]
         completions: list[tuple[int, int]] = []
-        fin = np.flatnonzero(finish_iter < length)
+        fin = (finish_iter < length).nonzero()[0]
         if fin.size:
             fin_iter = finish_iter[fin]
             done_ids = ids[fin]
@@ -244,7 +244,7 @@ class Replica:
             emitted,
             finish_iter,
             active_after,
-            settings.distortion_by_tier[tiers],
+            settings.distortion_by_tier.take(tiers),
             features,
             bins,
             completions,
@@ -282,7 +282,7 @@ class Replica:
     def _void_after(self, seg: _Segment, new_length: int) -> None:
         """Take back the iterations [new_length, length) of a drawn segment."""
         old = seg.length
-        self.bins.add(seg.bins[new_length:old], seg.features[new_length:old], sign=-1.0)
+        self.bins.subtract(seg.bins[new_length:old], seg.features[new_length:old])
         if seg.completions:
             voided = [rid for it, rid in seg.completions if it >= new_length]
             if voided:

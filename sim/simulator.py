@@ -117,7 +117,7 @@ class Simulator:
         self.autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
         self._policy_replicas: int | None = None
         n = len(self.requests)
-        self._route_u = self.rng.random((n, 2))
+        self._route_u: list[list[float]] = self.rng.random((n, 2)).tolist()
         self._rr = 0
         self._heap: list[tuple[float, int, int, Event]] = []
         self._seq = 0
@@ -133,6 +133,8 @@ class Simulator:
                                len(self.tier_names))
         self._tick = 0
         self._routable_cache: list[Replica] | None = None
+        self._live_cache: list[Replica] = []
+        self._active_cache = 0
         self._completed_total = 0
         self.replicas: list[Replica] = []
         for _ in range(config.replicas):
@@ -197,11 +199,28 @@ class Simulator:
 
     def _routable(self) -> list[Replica]:
         if self._routable_cache is None:
-            self._routable_cache = [r for r in self.replicas if r.state is ReplicaState.READY]
+            self._refresh_state_caches()
+            assert self._routable_cache is not None
         return self._routable_cache
 
+    def _refresh_state_caches(self) -> None:
+        """Replica lists by state; every state change sets ``_routable_cache = None`` to redo them."""
+        self._routable_cache = [r for r in self.replicas if r.state is ReplicaState.READY]
+        self._live_cache = [r for r in self.replicas if r.state is not ReplicaState.STOPPED]
+        self._active_cache = sum(
+            1 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.STARTING)
+        )
+
+    def _live(self) -> list[Replica]:
+        """Replicas not stopped."""
+        if self._routable_cache is None:
+            self._refresh_state_caches()
+        return self._live_cache
+
     def _active_count(self) -> int:
-        return sum(1 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.STARTING))
+        if self._routable_cache is None:
+            self._refresh_state_caches()
+        return self._active_cache
 
     # ---------------------------------------------------------------- handlers
 
@@ -209,7 +228,7 @@ class Simulator:
         out: list[Event] = []
         nxt = rid + 1
         if nxt < self.table.n:
-            out.append(Arrival(float(self.table.arrival_s[nxt]), nxt))
+            out.append(Arrival(self.table.arrival_list[nxt], nxt))
         self._next_arrival = nxt
         self.counters.arrivals += 1
         cands = self._routable()
@@ -238,7 +257,7 @@ class Simulator:
             self._rr = (self._rr + 1) % n
             return cands[self._rr]
         if mode == "power_of_two":
-            u1, u2 = self._route_u[rid]
+            u1, u2 = self._route_u[rid]  # plain floats
             i = int(u1 * n)
             j = int(u2 * (n - 1))
             if j >= i:
@@ -360,14 +379,14 @@ class Simulator:
         cand = self.bins.take_completions(w)
         if cand.size:
             c = self.table.completion_s[cand]
-            cand = np.unique(cand[(c > self._last_tick_s) & (c <= now)])
+            # A few ids, sorted and unique (cheaper than np.unique at this size).
+            cand = np.array(sorted(set(cand[(c > self._last_tick_s) & (c <= now)].tolist())), dtype=np.int64)
         done = cand
+        ttft, tpot, e2e = latencies = latencies_ms(self.table, done)
         tiers, met = tier_windows(
-            self.table, done, self.slo, self.thresholds, sums[4 : 4 + n_t], sums[4 + n_t :]
+            self.table, done, self.slo, self.thresholds, sums[4 : 4 + n_t], sums[4 + n_t :], latencies
         )
-        ttft, tpot, e2e = latencies_ms(self.table, done)
-        live = [r for r in self.replicas if r.state is not ReplicaState.STOPPED]
-        queue_per = tuple(len(r.queue) for r in live)
+        queue_per = tuple([len(r.queue) for r in self._live()])
         self._completed_total += int(done.size)
         in_flight = self.counters.admitted_total - self._completed_total
         k = self.k

@@ -70,6 +70,17 @@ class _Segment:
     length: int  # iterations in force (truncation lowers it)
 
 
+# _PREFILL_ROWS[b][n]: a batch of b whose first n sequences just joined emits [1]*n + [0]*(b-n) in
+# its prefill iteration (grown on demand).
+_PREFILL_ROWS: dict[int, list[np.ndarray]] = {}
+
+
+def _prefill_rows(b: int) -> list[np.ndarray]:
+    rows = [np.array([1] * n + [0] * (b - n), dtype=np.int64) for n in range(b + 1)]
+    _PREFILL_ROWS[b] = rows
+    return rows
+
+
 class Replica:
     def __init__(
         self,
@@ -176,8 +187,8 @@ class Replica:
                 dec[:, cols] = k_plus_1 - survival_asc[t].searchsorted(u[:, cols], side="right")
             tier_set = frozenset(present)
         if n_new:
-            cum[0, :n_new] = 1
-            cum[0, n_new:] = 0
+            rows = _PREFILL_ROWS.get(b) or _prefill_rows(b)
+            cum[0] = rows[n_new]  # 1 for the joiners, 0 for the running
         np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
         alive = cum < remaining  # [L, B] still running after iteration j
         emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
@@ -185,11 +196,12 @@ class Replica:
         active_after = alive.sum(axis=1)  # [L]
 
         # Iteration j runs the sequences active after j − 1 (all b for the first).
+        active_before = np.empty(n_iter, dtype=np.int64)
+        active_before[0] = b
+        active_before[1:] = active_after[:-1]
         fixed_ms, per_seq_ms = settings.iteration_coeffs
-        dt_ms = np.empty(n_iter)
-        dt_ms[0] = fixed_ms + per_seq_ms * b
-        np.multiply(active_after[:-1], per_seq_ms, out=dt_ms[1:])
-        dt_ms[1:] += fixed_ms
+        dt_ms = active_before * per_seq_ms
+        dt_ms += fixed_ms
         if n_new:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
@@ -209,9 +221,6 @@ class Replica:
         tokens[0] = emitted[0]
         np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
         features = tokens @ settings.tier_weights.take(tiers, axis=0)  # [L, F]
-        active_before = dt_ms  # reuse the buffer: sequences in each decode iteration
-        active_before[0] = b
-        active_before[1:] = active_after[:-1]
         features[:, 1] = active_before
         # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
         # iteration is clipped at its output length, which undercounts that iteration's accepts.
@@ -267,7 +276,7 @@ class Replica:
         j = int(seg.end_s.searchsorted(now, side="left"))
         if j >= length:
             return None
-        if need_room:
+        if need_room and int(seg.active_after[j]) >= self.max_batch:
             room = seg.active_after[j:length] < self.max_batch
             r = int(room.argmax())
             if not room[r]:

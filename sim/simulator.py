@@ -119,6 +119,7 @@ class Simulator:
         n = len(self.requests)
         self._route_u: list[list[float]] = self.rng.random((n, 2)).tolist()
         self._rr = 0
+        self._routing: Routing = config.routing
         self._heap: list[tuple[float, int, int, Event]] = []
         self._seq = 0
         self.now = 0.0
@@ -252,7 +253,7 @@ class Simulator:
         n = len(cands)
         if n == 1:
             return cands[0]
-        mode = self.config.routing
+        mode = self._routing
         if mode == "round_robin":
             self._rr = (self._rr + 1) % n
             return cands[self._rr]

@@ -3,7 +3,8 @@
 Target: <= 10 s wall on one core. Prints JSON (stdout, and --out, default results/sim_speed.json):
 wall and CPU seconds, requests, simulated decode iterations, events, and the run's headline metrics.
 
-    .venv/bin/python benchmarks/sim_speed.py                 # the full hour
+    .venv/bin/python benchmarks/sim_speed.py                 # the full hour, static:1.0
+    .venv/bin/python benchmarks/sim_speed.py --policy slo    # the shipped SLO policy (T moves often)
     .venv/bin/python benchmarks/sim_speed.py --duration 300  # smoke run
 """
 

@@ -233,17 +233,15 @@ class Replica:
 
         if n_new:
             table.first_token_s[new_ids] = end_s[0]
-        completions: list[tuple[int, int]] = []
-        fin = (finish_iter < length).nonzero()[0]
-        if fin.size:
-            fin_iter = finish_iter[fin]
-            done_ids = ids[fin]
-            table.completion_s[done_ids] = end_s[fin_iter]
+        # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
+        completions = [(it, rid) for it, rid in zip(finish_iter.tolist(), ids.tolist(), strict=True)
+                       if it < length]
+        if completions:
+            completion_s = table.completion_s
             add = self.bins.add_completion
-            bins_l = bins.tolist()
-            for it, rid in zip(fin_iter.tolist(), done_ids.tolist(), strict=True):
-                completions.append((it, rid))
-                add(bins_l[it], rid)
+            for it, rid in completions:
+                completion_s[rid] = end_s[it]
+                add(int(bins[it]), rid)
 
         self.running, self.remaining = ids, remaining
         self.segment = _Segment(

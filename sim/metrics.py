@@ -93,10 +93,12 @@ def tier_windows(
     tier_tokens: np.ndarray,
     tier_distortion: np.ndarray,
     latencies: Latencies | None = None,
+    overall: tuple[LatencySummary, LatencySummary, LatencySummary] | None = None,
 ) -> tuple[dict[str, TierWindow], np.ndarray]:
     """Per-tier window slices for the completions of one window, and the per-request met mask.
 
-    ``latencies``: ``latencies_ms(table, completed_ids)`` when the caller has it already.
+    ``latencies``: ``latencies_ms(table, completed_ids)`` when the caller has it already;
+    ``overall``: the (TTFT, TPOT, E2E) summaries of all of them, reused for a tier that has them all.
     """
     if latencies is None:
         latencies = latencies_ms(table, completed_ids)
@@ -113,14 +115,21 @@ def tier_windows(
                 output_tokens=int(tokens),
             )
             continue
-        tpot_sel = tpot[sel]
+        n_sel = int(sel.sum())
+        if overall is not None and n_sel == completed_ids.size:
+            ttft_s, tpot_s, e2e_s = overall  # the tier has every completion of the window
+        else:
+            tpot_sel = tpot[sel]
+            ttft_s = fast_summary(ttft[sel])
+            tpot_s = fast_summary(tpot_sel[~np.isnan(tpot_sel)])
+            e2e_s = fast_summary(e2e[sel])
         out[name] = TierWindow(
             threshold=thresholds[name],
-            completions=int(sel.sum()),
+            completions=n_sel,
             slo_met=int(met[sel].sum()),
-            ttft=fast_summary(ttft[sel]),
-            tpot=fast_summary(tpot_sel[~np.isnan(tpot_sel)]),
-            e2e=fast_summary(e2e[sel]),
+            ttft=ttft_s,
+            tpot=tpot_s,
+            e2e=e2e_s,
             mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
             output_tokens=int(tokens),
         )

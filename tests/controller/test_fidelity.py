@@ -27,7 +27,11 @@ from benchmarks import fidelity  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 APP = "fsd-fidelity"
-LOOSE = 0.5  # |sim − real| / real
+#: Loose bounds on |sim − real| / real: wide enough for a 10 s run of ~10 requests on a shared machine,
+#: tight enough to catch a broken leg (a wrong unit or a dropped term is off by 2× or more). E2E is looser:
+#: the simulator does not model the ~100 ms per-request Serve/HTTP overhead (docs/calibration.md, source
+#: 3), which is a large share of a tiny-pair request's E2E.
+LOOSE = {"tpot_ms_p95": 0.5, "output_tokens_per_s": 0.5, "e2e_ms_p95": 0.75}
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +79,8 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
     assert real["completed"] == real["requests"], "every request must be answered"
     assert sim["completed"] == real["requests"], "the simulator replays exactly the real requests"
     assert real["output_tokens"] == sim["output_tokens"], "same output lengths on both legs"
-    for metric in ("tpot_ms_p95", "e2e_ms_p95", "output_tokens_per_s"):
-        assert err[metric] is not None and abs(err[metric]) < LOOSE, (metric, json.dumps(row, default=float))
+    for metric, bound in LOOSE.items():
+        assert err[metric] is not None and abs(err[metric]) < bound, (metric, json.dumps(row, default=float))
     # A static policy: both legs hold T at 0.5 the whole run.
     traj = row["threshold_trajectory"]
     assert traj["sim_mean"] == pytest.approx(0.5) and traj["real_mean"] == pytest.approx(0.5, abs=0.05)

@@ -334,11 +334,10 @@ def test_qwen_pair_loads_with_matching_tokenizers_and_writes_code(monkeypatch: p
     assert pair.max_context == 32768
     assert pair.tokenizer.convert_tokens_to_ids("<|im_end|>") in pair.eos_token_ids
     prompt = pair.encode_prompt("Write a Python function square(x) that returns x squared.")
-    continuation = torch.tensor([prompt])
+    ids = torch.tensor([prompt])
     with torch.inference_mode():
-        draft_logits = pair.draft(continuation).logits[0, -1]
-        for _ in range(12):
-            next_id = pair.target(continuation).logits[0, -1].argmax()
-            continuation = torch.cat([continuation, next_id.view(1, 1)], dim=1)
+        draft_logits = pair.draft(ids).logits[0, -1]
+        # Greedy with HF's own KV-cache loop; the model may open with a sentence before the code.
+        out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
     assert torch.isfinite(draft_logits).all()
-    assert "def square" in pair.tokenizer.decode(continuation[0, len(prompt) :])
+    assert "def square" in pair.tokenizer.decode(out[0, len(prompt) :])

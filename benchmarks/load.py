@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-ms", type=float, default=None, help="override the tier's p95 TPOT target")
     p.add_argument("--ceiling", type=float, default=None, help="T for the 'ceiling' config (default: tier max)")
     p.add_argument("--configs", default="static0,ceiling,slo")
-    p.add_argument("--slo-policy", default='{"policy": "pid"}', help="JSON policy spec for the 'slo' config")
+    p.add_argument("--slo-policy", default='{"policy": "slo"}', help="JSON policy spec for the 'slo' config (default: the shipped SLO policy)")
     p.add_argument("--interval", type=float, default=None, help="control interval (default 1s, 0.5s tiny)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--replica-cpus", type=float, default=1.0)

@@ -33,16 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPTS = (
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about distributed systems.",
-    "List three uses of a hash map.",
-    "What is speculative decoding?",
-    "Give a short recipe for pancakes.",
-    "Summarise the plot of Hamlet in one paragraph.",
-    "Describe a binary search in plain words.",
-    "Name four planets and one fact about each.",
-)
+from controller.cmd_demo import PROMPTS  # noqa: E402  (one prompt set for the demo and the load test)
 
 
 def arrivals(rates: list[float], phase_s: float, process: str, cv: float, rng: np.random.Generator,

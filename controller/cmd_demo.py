@@ -45,6 +45,8 @@ PROMPTS = (
     "What is speculative decoding?",
     "Give a short recipe for pancakes.",
     "Summarise the plot of Hamlet in one paragraph.",
+    "Describe a binary search in plain words.",
+    "Name four planets and one fact about each.",
 )
 
 

@@ -14,8 +14,11 @@ segment ends. So neither a control tick nor routing has to step a replica: its l
 binary search.
 
 Iteration model (per replica, batch of B sequences, draft length k):
-- A prefill iteration when requests join: it takes ``prefill_ms(Σ prompt tokens of the joiners)``,
-  running sequences stall, each joiner emits its first token at its end (TTFT).
+- A prefill iteration when requests join: it takes ``prefill_ms(Σ prompt tokens of the joiners)``
+  and emits nothing; running sequences stall. As in the engine (``FSDEngine.step``: admit, then one
+  draft/verify iteration over every row), the prefill and the decode iteration after it are one
+  step: a joiner's first tokens come at the end of that decode iteration (TTFT), and nothing (an
+  arrival, a new threshold) cuts between the two.
 - A decode iteration takes ``iteration_ms(B, k)``; each sequence emits accepted + 1 tokens, accepted
   drawn from the profile's per-position acceptance at its tier's current T (one uniform per
   sequence: accepted = #{i : u < S_i}, S_i = P(at least i accepted)); a sequence's last iteration is
@@ -68,17 +71,6 @@ class _Segment:
     tiers: frozenset[int]  # tiers present in the batch (a threshold change elsewhere leaves it be)
     n_new: int  # the first n_new of ids joined in this segment (iteration 0 is their prefill)
     length: int  # iterations in force (truncation lowers it)
-
-
-# _PREFILL_ROWS[b][n]: a batch of b whose first n sequences just joined emits [1]*n + [0]*(b-n) in
-# its prefill iteration (grown on demand).
-_PREFILL_ROWS: dict[int, list[np.ndarray]] = {}
-
-
-def _prefill_rows(b: int) -> list[np.ndarray]:
-    rows = [np.array([1] * n + [0] * (b - n), dtype=np.int64) for n in range(b + 1)]
-    _PREFILL_ROWS[b] = rows
-    return rows
 
 
 class Replica:
@@ -151,7 +143,7 @@ class Replica:
             out_list, prompt_list = table.output_list, table.prompt_list
             new_out = [out_list[i] for i in new]
             prefill_tokens = sum(prompt_list[i] for i in new)
-            decode_left = [n - 1 for n in new_out]  # joiners get their first token from the prefill
+            decode_left = new_out
             if n_run:
                 ids = np.concatenate((new_ids, running))
                 remaining = np.concatenate((np.array(new_out, dtype=np.int64), self.remaining))
@@ -187,8 +179,7 @@ class Replica:
                 dec[:, cols] = k_plus_1 - survival_asc[t].searchsorted(u[:, cols], side="right")
             tier_set = frozenset(present)
         if n_new:
-            rows = _PREFILL_ROWS.get(b) or _prefill_rows(b)
-            cum[0] = rows[n_new]  # 1 for the joiners, 0 for the running
+            cum[0] = 0  # the prefill iteration emits nothing
         np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
         alive = cum < remaining  # [L, B] still running after iteration j
         emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
@@ -226,13 +217,12 @@ class Replica:
         # iteration is clipped at its output length, which undercounts that iteration's accepts.
         np.subtract(features[:, 0], active_before, out=features[:, 2])
         if n_new:
-            features[0, 1:4] = 0.0  # the prefill iteration: first tokens only, target-sampled
-            features[0, 4 + self.bins.n_tiers :] = 0.0
+            features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
         bins = self.bins.bin_of(end_s)
         self.bins.add(bins[:length], features[:length])
 
         if n_new:
-            table.first_token_s[new_ids] = end_s[0]
+            table.first_token_s[new_ids] = end_s[1]  # n_iter >= 2: h >= 1 decode iteration follows
         # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
         completions = [(it, rid) for it, rid in zip(finish_iter.tolist(), ids.tolist(), strict=True)
                        if it < length]
@@ -272,6 +262,8 @@ class Replica:
             return None
         length = seg.length
         j = int(seg.end_s.searchsorted(now, side="left"))
+        if seg.n_new:
+            j = max(j, 1)  # prefill + first decode iteration are one engine step
         if j >= length:
             return None
         if need_room and int(seg.active_after[j]) >= self.max_batch:
@@ -295,7 +287,7 @@ class Replica:
             if voided:
                 self.table.completion_s[voided] = np.nan
                 seg.completions = [(it, rid) for it, rid in seg.completions if it < new_length]
-        if new_length == 0 and seg.n_new:
+        if new_length < 2 and seg.n_new:  # the joiners' first decode iteration did not happen
             self.table.first_token_s[seg.ids[: seg.n_new]] = np.nan
         seg.length = new_length
 
@@ -327,10 +319,8 @@ class Replica:
         ids = seg.ids
         if n:
             per_seq = seg.emitted[n - 1]
-            # Decode tokens carry distortion; the joiners' prefill token (row 0) is target-sampled.
-            decode = per_seq - seg.emitted[0] if seg.n_new else per_seq
             table.emitted[ids] += per_seq
-            table.distortion_sum[ids] += decode * seg.distortion_per_token
+            table.distortion_sum[ids] += per_seq * seg.distortion_per_token
             self.iterations += n - 1 if seg.n_new else n
             keep = seg.finish_iter >= n
             self.running = ids[keep]

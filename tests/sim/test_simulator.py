@@ -49,11 +49,12 @@ def test_littles_law_on_a_steady_poisson_run() -> None:
 
 
 def test_mm1_mean_queue_wait_matches_theory() -> None:
-    """Batch 1, exponential service (mean 100 ms: μ = 10/s), Poisson λ = 5/s: Wq = ρ/(μ−λ) = 0.1 s."""
+    """Batch 1, exponential service (mean 100 ms: μ = 10/s), Poisson λ = 5/s: Wq = ρ/(μ−λ) = 0.1 s.
+    One output token = one decode iteration (the free prefill emits nothing)."""
     lam, mu = 5.0, 10.0
     slo = single_tier_slo()
     w = make_workload(duration_s=4000.0, arrivals={"kind": "poisson", "rate": lam},
-                      prompt_tokens={"kind": "fixed", "value": 10}, output_tokens={"kind": "fixed", "value": 2})
+                      prompt_tokens={"kind": "fixed", "value": 10}, output_tokens={"kind": "fixed", "value": 1})
     res = run_sim(w, StaticPolicy(slo, 0.0), slo=slo, profile=exponential_profile(1000.0 / mu),
                   replicas=1, max_batch=1, max_queue=10**6, seed=11, control_interval_s=20.0)
     rec = res.records
@@ -63,6 +64,23 @@ def test_mm1_mean_queue_wait_matches_theory() -> None:
     assert float(wait.mean()) == pytest.approx(expected, rel=0.05)
     sojourn = rec["completion_s"] - rec["arrival_s"]
     assert float(sojourn.mean()) == pytest.approx(1.0 / (mu - lam), rel=0.05)
+
+
+def test_first_token_comes_after_the_prefill_and_one_decode_iteration() -> None:
+    """As in the engine: a joiner's first tokens come out of the decode iteration its prefill is
+    stepped with, so an unqueued request's TTFT = prefill(prompt) + iteration(B = 1)."""
+    profile = Profile.default()
+    w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.02},
+                      prompt_tokens={"kind": "fixed", "value": 120}, output_tokens={"kind": "fixed", "value": 30})
+    res = run_sim(w, StaticPolicy(single_tier_slo(), 0.0), slo=single_tier_slo(), profile=profile, replicas=1,
+                  seed=6)
+    rec = res.records
+    alone = rec["start_s"] == rec["arrival_s"]  # found the replica idle
+    assert alone.sum() >= 5
+    expected_s = (profile.latency.prefill_ms(120) + float(profile.latency.iteration_ms(1, profile.default_k))) / 1000
+
+    ttft = (rec["first_token_s"] - rec["arrival_s"])[alone]
+    assert np.allclose(ttft, expected_s, rtol=1e-9)
 
 
 def test_same_seed_identical_different_seed_differs() -> None:

@@ -1,7 +1,8 @@
 """Policy comparison in the simulator: four scenarios (steady, step, bursty gamma, diurnal; optionally
 an Azure trace replay) × (static T over a grid, PID, bandit, feed-forward).
 
-Every run uses the same workload draw and seed per scenario, the shipped hand-made SmolLM2 profile,
+Every run uses the same workload draw and seed per scenario, a profile (default: the hand-made 2-thread
+SmolLM2 profile, the replica speed the default SLO tiers are sized for; ``--profile`` for another),
 SLOSpec.default() (standard: p95 TPOT 60 ms, distortion budget 0.15, T ≤ 1; economy: 120 ms, 0.35,
 T ≤ 4; 80/20 mix) and ``scale``× the example workloads' rates on ``2·scale`` replicas of max batch 8.
 
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.cmd_sim import build_policy, summary_row  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
-from sim.profile import Profile  # noqa: E402
+from sim.profile import HANDMADE_2THREADS_PROFILE_PATH, Profile  # noqa: E402
 from sim.simulator import SimConfig, Simulator  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
@@ -72,9 +73,8 @@ def scaled_workload(name: str, scale: float, duration: float | None) -> Workload
 
 
 def run_scenario(name: str, workload: Workload, replicas: int, seed: int,
-                 policies: dict[str, str]) -> dict[str, Any]:
+                 policies: dict[str, str], profile: Profile) -> dict[str, Any]:
     slo = SLOSpec.default()
-    profile = Profile.default()
     config = SimConfig(seed=seed, replicas=replicas, max_batch=8)
     rows = []
     meta: dict[str, Any] = {}
@@ -145,7 +145,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot(results: list[dict[str, Any]], path: Path, profile_name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +171,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("SLO attainment")
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("fsd sim: adaptive policies vs static T (hand-made SmolLM2 profile)", fontsize=10)
+    fig.suptitle(f"fsd sim: adaptive policies vs static T ({Path(profile_name).name})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -183,6 +183,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=8.0, help="rate multiplier; replicas = 2·scale")
     ap.add_argument("--duration", type=float, default=None, help="override scenario duration (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=str(HANDMADE_2THREADS_PROFILE_PATH),
+                    help="profile JSON (default: the hand-made 2-thread SmolLM2 profile)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--azure", action="store_true", help="add the Azure conv trace replay (needs ../shared)")
     ap.add_argument("--out", default="results/policy_compare.json")
@@ -194,16 +196,17 @@ def main() -> int:
     names = [s for s in args.scenarios.split(",") if s]
     if args.azure:
         names.append("azure_conv")
+    profile = Profile.load(args.profile)
     replicas = max(1, round(2 * args.scale))
     results = []
     t0 = time.perf_counter()
     for name in names:
         w = scaled_workload(name, args.scale, args.duration)
-        results.append(run_scenario(name, w, replicas, args.seed, policies))
+        results.append(run_scenario(name, w, replicas, args.seed, policies, profile))
         print(f"# {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     table = markdown(results)
     doc = {"benchmark": "policy_compare", "scale": args.scale, "seed": args.seed, "replicas": replicas,
-           "duration_override_s": args.duration, "profile": "sim/profiles/default_smollm2.json (hand-made)",
+           "duration_override_s": args.duration, "profile": Path(args.profile).name,
            "slo": "SLOSpec.default()", "results": results,
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(doc, indent=2))
@@ -212,7 +215,7 @@ def main() -> int:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
     if args.plot:
-        plot(results, Path(args.plot))
+        plot(results, Path(args.plot), args.profile)
     print(table, file=sys.stderr)
     return 0
 

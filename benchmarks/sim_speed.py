@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policies.registry import make_policy  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
-from sim.profile import Profile  # noqa: E402
+from sim.profile import HANDMADE_2THREADS_PROFILE_PATH, Profile  # noqa: E402
 from sim.simulator import SimConfig, Simulator  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
@@ -33,11 +33,14 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--policy", default="static:1.0", help="policy spec (see fsd sim --help)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=str(HANDMADE_2THREADS_PROFILE_PATH),
+                    help="profile JSON (default: the hand-made 2-thread profile, the fastest replicas: most "
+                    "iterations per simulated second)")
     ap.add_argument("--out", default="results/sim_speed.json")
     args = ap.parse_args()
 
     slo = SLOSpec.default()
-    profile = Profile.default()
+    profile = Profile.load(args.profile)
     workload = Workload.from_dict(
         {
             "name": f"poisson-{args.rate:g}rps",

@@ -6,7 +6,7 @@ from typing import Any
 
 from policies.slo import SLOSpec, TierSLO
 from policies.static import StaticPolicy
-from sim.profile import Profile
+from sim.profile import HANDMADE_2THREADS_PROFILE_PATH, Profile
 from sim.simulator import SimConfig, SimResult, Simulator
 from sim.workload import Workload
 
@@ -23,6 +23,11 @@ def make_workload(**overrides: Any) -> Workload:
     return Workload.from_dict(data)
 
 
+def handmade_profile() -> Profile:
+    """The hand-made 2-thread profile: fast, fixed timings the scenarios below are sized for."""
+    return Profile.load(HANDMADE_2THREADS_PROFILE_PATH)
+
+
 def single_tier_slo(**tier: Any) -> SLOSpec:
     return SLOSpec(tiers={"standard": TierSLO(**tier)}, default_tier="standard")
 
@@ -37,12 +42,12 @@ def run_sim(
     slo = slo or SLOSpec.default()
     policy = policy if policy is not None else StaticPolicy(slo, 0.5)
     cfg = SimConfig(**config)
-    return Simulator(cfg, profile or Profile.default(), slo, workload or make_workload(), policy).run()
+    return Simulator(cfg, profile or handmade_profile(), slo, workload or make_workload(), policy).run()
 
 
 def exponential_profile(service_ms: float) -> Profile:
     """One decode iteration ~ Exp(mean service_ms) at batch 1; prefill free (M/M/1 checks)."""
-    data = Profile.default().model_dump()
+    data = handmade_profile().model_dump()
     data["latency"] = {
         "draft_a_ms": 0.0, "draft_b_ms": 0.0, "verify_a_ms": 0.0, "verify_b_ms": service_ms,
         "verify_c_ms": 0.0, "prefill_ms_per_token": 0.0, "iteration_time_dist": "exponential",

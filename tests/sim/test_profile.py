@@ -5,9 +5,22 @@ import pytest
 
 from sim.profile import Profile
 
+from .conftest import handmade_profile
 
-def test_default_profile_matches_the_measured_anchor_points() -> None:
+
+def test_default_profile_is_calibrated_on_the_default_pair() -> None:
     p = Profile.default()
+    assert p.provenance.source == "calibrated"
+    assert p.provenance.pair.startswith("smollm2-135m")
+    assert p.default_k == 4 and p.mean_distortion(p.default_div, 0.0, 4) == 0.0
+    # Measured: SD (T = 0) emits between 1 and k + 1 tokens per iteration, more as T grows.
+    sd, loose = p.expected_tokens_per_iter("kl", 0.0, 4), p.expected_tokens_per_iter("kl", 4.0, 4)
+    assert 1.0 < sd < loose <= 5.0
+    assert float(p.latency.iteration_ms(8, 4)) > float(p.latency.iteration_ms(1, 4)) > 0
+
+
+def test_handmade_profile_matches_the_measured_anchor_points() -> None:
+    p = handmade_profile()
     assert p.schema_version == 1
     assert p.provenance.source == "hand-made from MEASURED.md"
     # MEASURED.md, k = 4: SD 3.0 tokens/iteration, FSD kl <= 1.0 4.3, accept-all 4.8.
@@ -21,7 +34,7 @@ def test_default_profile_matches_the_measured_anchor_points() -> None:
 
 
 def test_interpolation_is_monotone_in_threshold_and_flat_beyond_the_grid() -> None:
-    p = Profile.default()
+    p = handmade_profile()
     ts = np.linspace(0, 12, 121)
     tokens = [p.expected_tokens_per_iter("kl", float(t), 4) for t in ts]
     dist = [p.mean_distortion("kl", float(t), 4) for t in ts]
@@ -34,7 +47,7 @@ def test_interpolation_is_monotone_in_threshold_and_flat_beyond_the_grid() -> No
 
 
 def test_unknown_div_or_k_is_a_value_error_naming_it() -> None:
-    p = Profile.default()
+    p = handmade_profile()
     with pytest.raises(ValueError, match="div 'tv'"):
         p.survival("tv", 0.5, 4)
     with pytest.raises(ValueError, match="k=5"):
@@ -44,7 +57,7 @@ def test_unknown_div_or_k_is_a_value_error_naming_it() -> None:
 
 
 def _default_dict() -> dict:
-    return json.loads(Profile.default().model_dump_json())
+    return json.loads(handmade_profile().model_dump_json())
 
 
 @pytest.mark.parametrize(
@@ -78,13 +91,13 @@ def test_non_monotone_grid_is_rejected(tmp_path) -> None:
 
 
 def test_save_load_round_trip(tmp_path) -> None:
-    p = Profile.default()
+    p = handmade_profile()
     p.save(tmp_path / "copy.json")
     assert Profile.load(tmp_path / "copy.json").model_dump() == p.model_dump()
 
 
 def test_speed_curve_and_latency_model_agree_with_the_profile() -> None:
-    p = Profile.default()
+    p = handmade_profile()
     curve = p.to_speed_curve("kl", 4)
     assert [pt.threshold for pt in curve.points] == list(p.thresholds("kl", 4))
     assert curve.tokens_per_iteration(1.0) == pytest.approx(p.expected_tokens_per_iter("kl", 1.0, 4))

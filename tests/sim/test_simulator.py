@@ -8,10 +8,9 @@ import pytest
 from policies.slo import SLOSpec, TierSLO
 from policies.static import StaticPolicy
 from sim.autoscaler import AutoscalerConfig
-from sim.profile import Profile
 from sim.simulator import SimConfig
 
-from .conftest import exponential_profile, make_workload, run_sim, single_tier_slo
+from .conftest import exponential_profile, handmade_profile, make_workload, run_sim, single_tier_slo
 
 
 def test_conservation_every_arrival_completes_or_is_rejected() -> None:
@@ -69,7 +68,7 @@ def test_mm1_mean_queue_wait_matches_theory() -> None:
 def test_first_token_comes_after_the_prefill_and_one_decode_iteration() -> None:
     """As in the engine: a joiner's first tokens come out of the decode iteration its prefill is
     stepped with, so an unqueued request's TTFT = prefill(prompt) + iteration(B = 1)."""
-    profile = Profile.default()
+    profile = handmade_profile()
     w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.02},
                       prompt_tokens={"kind": "fixed", "value": 120}, output_tokens={"kind": "fixed", "value": 30})
     res = run_sim(w, StaticPolicy(single_tier_slo(), 0.0), slo=single_tier_slo(), profile=profile, replicas=1,
@@ -97,7 +96,7 @@ def test_same_seed_identical_different_seed_differs() -> None:
 def test_acceptance_telemetry_matches_the_profile() -> None:
     """Long outputs (little end-of-sequence clipping): the measured accepted drafts per sequence
     per iteration match the profile's expectation at the T in force."""
-    profile = Profile.default()
+    profile = handmade_profile()
     slo = single_tier_slo(max_threshold=4.0)
     w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.3},
                       output_tokens={"kind": "fixed", "value": 600})
@@ -260,7 +259,7 @@ class _WantsDraftLength:
 
 
 def test_decision_draft_length_applies_when_the_profile_has_it() -> None:
-    profile = Profile.default()
+    profile = handmade_profile()
     w = make_workload(duration_s=300.0, arrivals={"kind": "poisson", "rate": 0.3},
                       output_tokens={"kind": "fixed", "value": 600})
     res = run_sim(w, _WantsDraftLength(2), replicas=2, seed=1)

@@ -4,7 +4,7 @@
     fsd sim --trace ../shared/traces/azure_llm_2023_conv.csv --time-scale 1 --sample 0.1 --duration 600
     fsd sim compare --policies static:0,static:1.0,pid,bandit,feedforward --workload sim/workloads/step.yaml
 
-Defaults: the shipped profile (sim/profiles/default_smollm2.json), SLOSpec.default(), the shipped
+Defaults: the shipped calibrated profile (sim/profiles/smollm2-135m.json), SLOSpec.default(), the shipped
 steady workload, 2 replicas of max batch 8. Same seed ⇒ identical results.
 """
 
@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
                    help="policy name (slo = the shipped SLO policy, static:T, pid, bandit, feedforward), JSON, or a YAML/JSON file")
     p.add_argument("--policies", default=DEFAULT_COMPARE, help="compare: comma-separated names or files")
     p.add_argument("--slo", help="SLO spec YAML/JSON (default: SLOSpec.default())")
-    p.add_argument("--profile", help="profile JSON (default: the shipped hand-made SmolLM2 profile)")
+    p.add_argument("--profile", help="profile JSON (default: the shipped calibrated SmolLM2 profile, sim/profiles/smollm2-135m.json)")
     p.add_argument("--cluster", help="SimConfig YAML/JSON (replicas, max_batch, routing, autoscaler, ...)")
     p.add_argument("--replicas", type=int, help="initial replicas (overrides --cluster)")
     p.add_argument("--max-batch", type=int, help="max batch size (overrides --cluster)")

@@ -29,6 +29,11 @@ Smoke (tiny random pair and a profile calibrated for it; ~2-3 min)::
 Real figures (default pair with its shipped profile; ~6 min on a quiet machine)::
 
     .venv/bin/python benchmarks/fidelity.py --duration-s 120 --rate 0.6 --step-rates 0.3,1.2
+
+After a simulator or profile change, re-run only the simulator leg on a stored report's real requests
+(seconds; the real leg is the stored one)::
+
+    .venv/bin/python benchmarks/fidelity.py --resim results/fidelity.json --out results/fidelity_resim.json
 """
 
 from __future__ import annotations
@@ -477,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=1000, help="hard bound on requests per scenario")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resim", default=None, metavar="REPORT",
+                   help="no service: re-run only the simulator leg on the real requests stored in an earlier "
+                   "report (its settings apply; --profile, --out and --png may differ)")
     p.add_argument("--out", default="results/fidelity.json")
     p.add_argument("--png", default=None, help="default: --out with .png")
     return p
@@ -552,29 +560,39 @@ def run_scenarios(url: str, st: Setup, args: argparse.Namespace) -> dict[str, An
         before = _replica_counters(st.config.serve.app_name)
         real_run = asyncio.run(_replay(url, reqs, st.policy, args, st.token))
         after = _replica_counters(st.config.serve.app_name)
-        print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
-        sim_run = simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args)
-        real_sum = summarise(real_run["records"], args.duration_s)
-        sim_sum = summarise(sim_run["records"], args.duration_s)
-        end_s = max([args.duration_s] + [s["t_s"] for s in real_run["t_samples"]])
         parts = decomposition(before, after, st.profile, real_run["records"], args)
-        if parts is not None and real_sum["ttft_ms"]["p50"] is not None and sim_sum["ttft_ms"]["p50"] is not None:
-            # The engine emits a joiner's first token after prefill + one decode step (the simulator after
-            # the prefill alone); what the step does not explain is per-request serving overhead.
-            gap = real_sum["ttft_ms"]["p50"] - sim_sum["ttft_ms"]["p50"]
-            parts["ttft_gap_ms_p50"] = gap
-            parts["serving_overhead_ms_est"] = gap - parts["decode_step_ms_real"]
-        scenarios.append({
-            "name": name,
-            "duration_s": args.duration_s,
-            "requests": len(reqs),
-            "real": {**real_run, "summary": real_sum},
-            "sim": {**sim_run, "summary": sim_sum},
-            "error": compare(real_sum, sim_sum),
-            "threshold_trajectory": threshold_trajectory_error(real_run["t_samples"], sim_run["t_samples"],
-                                                               args.tier, end_s),
-            "decomposition": parts,
-        })
+        scenarios.append(simulate_scenario(name, len(reqs), real_run, parts, st, args))
+    return assemble_report(scenarios, st, args, rtt_ms)
+
+
+def simulate_scenario(name: str, n_requests: int, real_run: dict[str, Any], parts: dict[str, Any] | None,
+                      st: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """The simulator leg on a real run's requests, and the comparison of the two."""
+    print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
+    sim_run = simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args)
+    real_sum = summarise(real_run["records"], args.duration_s)
+    sim_sum = summarise(sim_run["records"], args.duration_s)
+    end_s = max([args.duration_s] + [s["t_s"] for s in real_run["t_samples"]])
+    if parts is not None and real_sum["ttft_ms"]["p50"] is not None and sim_sum["ttft_ms"]["p50"] is not None:
+        # The simulator's TTFT is queueing + prefill + one decode iteration, as the engine's; what is
+        # left of the gap is per-request serving overhead (HTTP, routing, streaming) and step drift.
+        parts = {**parts, "ttft_gap_ms_p50": real_sum["ttft_ms"]["p50"] - sim_sum["ttft_ms"]["p50"]}
+        parts.pop("serving_overhead_ms_est", None)
+    return {
+        "name": name,
+        "duration_s": args.duration_s,
+        "requests": n_requests,
+        "real": {**real_run, "summary": real_sum},
+        "sim": {**sim_run, "summary": sim_sum},
+        "error": compare(real_sum, sim_sum),
+        "threshold_trajectory": threshold_trajectory_error(real_run["t_samples"], sim_run["t_samples"],
+                                                           args.tier, end_s),
+        "decomposition": parts,
+    }
+
+
+def assemble_report(scenarios: list[dict[str, Any]], st: Setup, args: argparse.Namespace,
+                    rtt_ms: float | None) -> dict[str, Any]:
     return {
         "benchmark": "fidelity",
         "pair": args.pair,
@@ -609,8 +627,50 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> Path:
     return png
 
 
+def resimulate(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulator leg again on a stored report's real requests (e.g. after a simulator or profile
+    change): the real leg is the stored one, so only the simulator's side of the error moves."""
+    path = Path(args.resim)
+    try:
+        stored = json.loads(path.read_text())
+        settings, table = stored["settings"], {row["scenario"]: row for row in stored["table"]}
+        runs = stored["scenarios"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc}") from None
+    keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim}
+    known = vars(build_parser().parse_args([]))
+    for key, value in settings.items():
+        if key in known and key not in keep:
+            setattr(args, key, tuple(value) if isinstance(known[key], tuple) else value)
+    if args.profile is None and stored.get("profile"):
+        args.profile = stored["profile"]
+    st = setup(args, port=0)
+    scenarios = [simulate_scenario(sc["name"], sc["requests"], sc["real"],
+                                   _against_profile(table[sc["name"]].get("decomposition"), st.profile, args),
+                                   st, args) for sc in runs]
+    report = assemble_report(scenarios, st, args, stored.get("http_round_trip_ms_p50"))
+    report["resimulated_from"] = {"report": str(path), "command": stored.get("command"),
+                                  "load_average": stored.get("load_average")}
+    return report
+
+
+def _against_profile(parts: dict[str, Any] | None, profile: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """A stored decomposition's profile-side figures recomputed for ``profile`` (the real side stays)."""
+    if not parts:
+        return parts
+    step = float(profile.latency.iteration_ms(parts["mean_batch"], args.k))
+    tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k)
+    return {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),
+            "tokens_per_row_iteration_profile": tokens,
+            "tokens_per_iteration_rel_error": _rel(tokens, parts["tokens_per_row_iteration_real"])}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start a local service (loopback), run every scenario, write the report; returns it."""
+    if args.resim:
+        report = resimulate(args)
+        report["png"] = str(write_report(report, args))
+        return report
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from controller.runtime import Service

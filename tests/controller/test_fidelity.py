@@ -4,9 +4,8 @@ The bound is loose on purpose (the tiny pair's steps are a few ms of mostly Pyth
 noise is large relative to them): it catches a broken side — a profile or simulator change that puts
 the prediction off by a factor, or a service change that stalls — not a few percent of drift. TTFT
 is not bounded: the simulator has no per-request serving overhead (HTTP, ingress, Ray streaming,
-~0.1 s on a loaded 2-core machine) and emits a joiner's first token one decode iteration earlier
-than the engine, which on the tiny pair's millisecond steps dominates TTFT (outputs of 160-200 tokens
-keep it a small part of E2E). The real figures come from benchmarks/fidelity.py on the default pair
+~0.1 s on a loaded 2-core machine), which on the tiny pair's millisecond steps dominates TTFT
+(outputs of 160-200 tokens keep it a small part of E2E). The real figures come from benchmarks/fidelity.py on the default pair
 (docs/calibration.md).
 """
 
@@ -56,7 +55,8 @@ def tiny_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     yield path
 
 
-def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_profile_path: Path) -> None:
+def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_profile_path: Path,
+                                                            tmp_path: Path) -> None:
     from ray import serve
 
     from controller.app import build_app
@@ -86,3 +86,12 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
     assert traj["sim_mean"] == pytest.approx(0.5) and traj["real_mean"] == pytest.approx(0.5, abs=0.05)
     decomposition = row["decomposition"]
     assert decomposition is not None and decomposition["iterations"] > 0
+
+    # --resim on the stored report: the same real leg, and (same profile, seed, policy) the same sim leg.
+    args.out = str(tmp_path / "report.json")
+    fidelity.write_report(report, args)
+    again = fidelity.run(fidelity.build_parser().parse_args(
+        ["--resim", args.out, "--out", str(tmp_path / "resim.json")]))
+    assert again["resimulated_from"]["report"] == args.out
+    redo = again["table"][0]
+    assert redo["real"] == real and redo["sim"] == sim and redo["error"] == err

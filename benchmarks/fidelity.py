@@ -54,6 +54,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.sse_client import timed_stream  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MEASURED_PROFILE = REPO / "sim" / "profiles" / "smollm2-135m.json"
 
@@ -126,42 +128,9 @@ async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens:
     else:
         path = "/v1/completions"
         body = {"prompt": prompt_text(prompt_tokens, i), **common}
-    sent = time.monotonic()
-    rec: dict[str, Any] = {"i": i, "scheduled_s": at, "arrival_s": sent - t0, "status": None,
+    rec: dict[str, Any] = {"i": i, "scheduled_s": at, "arrival_s": time.monotonic() - t0, "status": None,
                            "max_tokens": max_tokens, "prompt_tokens_asked": prompt_tokens}
-    first = last = None
-    try:
-        async with client.stream("POST", path, json=body) as r:
-            rec["status"] = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec["status"] = chunk["error"].get("code", 500)
-                    continue
-                now = time.monotonic()
-                choice = chunk["choices"][0] if chunk.get("choices") else {}
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                    first = first or now
-                    last = now
-                if "usage" in chunk:
-                    rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
-                    rec["output_tokens"] = chunk["usage"]["completion_tokens"]
-                    rec["fsd"] = chunk.get("fsd")
-    except Exception as exc:  # recorded, never hidden
-        rec["status"] = type(exc).__name__
-        return rec
-    done = time.monotonic()
-    rec["e2e_ms"] = (done - sent) * 1e3
-    if first is not None:
-        rec["ttft_ms"] = (first - sent) * 1e3
-        n = rec.get("output_tokens", 0)
-        rec["tpot_ms"] = (last - first) * 1e3 / (n - 1) if n > 1 and last is not None else None
-    return rec
+    return await timed_stream(client, path, body, rec)
 
 
 async def _replay(url: str, requests: Any, policy: dict[str, Any], args: argparse.Namespace,

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.sse_client import timed_stream  # noqa: E402
 from controller.cmd_demo import PROMPTS  # noqa: E402  (one prompt set for the demo and the load test)
 
 
@@ -64,39 +65,8 @@ async def one_request(client: Any, t_start: float, at: float, i: int, args: argp
     await asyncio.sleep(max(0.0, t_start + at - time.monotonic()))
     body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": i, "stream": True, "fsd": {"tier": args.tier}}
-    sent = time.monotonic()
-    rec: dict[str, Any] = {"i": i, "arrival_s": sent - t_start, "status": None}
-    first = last = None
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            rec["status"] = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec["status"] = chunk["error"].get("code", 500)
-                    continue
-                now = time.monotonic()
-                if chunk["choices"][0]["delta"].get("content"):
-                    first = first or now
-                    last = now
-                if "usage" in chunk:
-                    rec["tokens"] = chunk["usage"]["completion_tokens"]
-                    rec["fsd"] = chunk["fsd"]
-    except Exception as exc:  # recorded, not hidden
-        rec["status"] = type(exc).__name__
-        return rec
-    done = time.monotonic()
-    rec["e2e_ms"] = (done - sent) * 1e3
-    if first is not None:
-        rec["ttft_ms"] = (first - sent) * 1e3
-        n = rec.get("tokens", 0)
-        rec["tpot_ms"] = (last - first) * 1e3 / (n - 1) if n and n > 1 and last is not None else None
-    return rec
+    rec: dict[str, Any] = {"i": i, "arrival_s": time.monotonic() - t_start, "status": None}
+    return await timed_stream(client, "/v1/chat/completions", body, rec)
 
 
 async def run_config(url: str, name: str, times: list[float], args: argparse.Namespace, token: str) -> dict[str, Any]:
@@ -159,7 +129,7 @@ def summarise(run: dict[str, Any], tpot_target: float | None, duration_s: float)
     for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
         vals = [r[metric] for r in ok if r.get(metric) is not None]
         out[metric] = {f"p{q}": percentile(vals, q) for q in (50, 95, 99)}
-    tokens = sum(r.get("tokens", 0) for r in ok)
+    tokens = sum(r.get("output_tokens", 0) for r in ok)
     distortion = sum(r["fsd"]["distortion"] for r in ok if r.get("fsd"))
     out["output_tokens"] = tokens
     out["mean_distortion_per_token"] = distortion / tokens if tokens else None

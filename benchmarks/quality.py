@@ -397,6 +397,28 @@ def summarize(
     return summary
 
 
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The summary as one Markdown table (the README's): a row per mode and setting."""
+    def num(x: float | None, digits: int = 2) -> str:
+        return "–" if x is None else f"{x:.{digits}f}"
+
+    lines = ["| mode | setting | pass@1 (95% CI) | tokens/s | × target | × SD | acceptance | mean distortion "
+             "| tokens/iter | vs SD: only SD / only this (McNemar p) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, block in summary["modes"].items():
+        for name, row in block["settings"].items():
+            ci = row["pass_at_1_ci95"]
+            vs = row.get("vs_sd")
+            versus = f"{vs['solved_only_by_sd']} / {vs['solved_only_by_this']} ({vs['mcnemar_exact_p']:.2f})" if vs else "–"
+            lines.append(
+                f"| {mode} | {name} | {row['passed']}/{row['n']} = {num(row['pass_at_1'])} ({num(ci[0])}–{num(ci[1])}) "
+                f"| {num(row['tokens_per_s'])} | {num(row.get('speedup_vs_target'))} | {num(row.get('speedup_vs_sd'))} "
+                f"| {num(row['acceptance_rate'])} | {num(row['mean_distortion'], 3)} | {num(row['tokens_per_iteration'])} "
+                f"| {versus} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------- plot
 
 
@@ -520,6 +542,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         command="python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "summary.md").write_text(markdown_table(summary))
     if summary["modes"]:
         plot(
             summary,

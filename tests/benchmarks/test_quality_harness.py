@@ -17,6 +17,7 @@ from benchmarks import humaneval
 from benchmarks.humaneval import Problem, extract_solution, load_problems, run_program, select_subset
 from benchmarks.quality import (
     check_run_config,
+    markdown_table,
     parse_setting,
     run,
     summarize,
@@ -302,6 +303,10 @@ def test_summary_compares_settings_on_common_tasks_only() -> None:
     assert vs["mcnemar_exact_p"] == pytest.approx(1.0)
     assert vs["within_sd_ci95"] is True
     assert sd["same_completion_as_target"] == 1.0 and fsd["same_completion_as_target"] == 0.0
+    table = markdown_table(summary).splitlines()
+    assert len(table) == 2 + 3
+    assert table[4].startswith("| greedy | kl@1 | 5/9 = 0.56 (") and "| 2.00 |" in table[4]
+    assert table[4].endswith("| 2 / 1 (1.00) |")
 
 
 def test_settings_parse_and_reject_bad_specs() -> None:

@@ -252,6 +252,9 @@ class AcceptanceSample(BaseModel):
     drafted: int
     accepted: int
     fuzzy_accepted: int
+    distorted_tokens: int | None = Field(
+        None, description="emitted tokens that carry distortion (None: measured before this was counted)"
+    )
 
     @property
     def raw_position_accept(self) -> list[float | None]:
@@ -392,6 +395,16 @@ def fit_acceptance(samples: Iterable[AcceptanceSample]) -> list[AcceptancePoint]
         if tokens[1:].sum() > 0:
             distortion[1:] = isotonic_increasing(distortion[1:], tokens[1:])
         distortion = np.maximum(distortion, 0.0)
+        # Fraction of emitted tokens that carry distortion: with the mean it lets the simulator draw
+        # distortion as events, with the per-window noise a quality guard reacts to.
+        distorted = None
+        if all(s.distorted_tokens is not None for s in group):
+            distorted = np.array([(s.distorted_tokens or 0) / s.emitted_tokens if s.emitted_tokens else 0.0
+                                  for s in group])
+            distorted[0] = 0.0
+            if tokens[1:].sum() > 0:
+                distorted[1:] = isotonic_increasing(distorted[1:], tokens[1:])
+            distorted = np.clip(distorted, 0.0, 1.0)
         for j, s in enumerate(group):
             points.append(
                 AcceptancePoint(
@@ -400,6 +413,7 @@ def fit_acceptance(samples: Iterable[AcceptanceSample]) -> list[AcceptancePoint]
                     threshold=s.threshold,
                     position_accept=[float(np.clip(x, 0.0, 1.0)) for x in fitted[j]],
                     mean_distortion=float(distortion[j]),
+                    distorted_per_token=None if distorted is None else float(distorted[j]),
                 )
             )
     return points
@@ -484,6 +498,7 @@ class _Counts:
     drafted: int = 0
     accepted: int = 0
     fuzzy: int = 0
+    distorted: int = 0
 
     def __post_init__(self) -> None:
         self.histogram = [0] * (self.k + 1)
@@ -497,6 +512,7 @@ class _Counts:
         self.drafted += row.drafted
         self.accepted += row.accepted
         self.fuzzy += row.fuzzy_accepted
+        self.distorted += row.distorted
         if emitted == 0:  # aborted or wholly cut by a stop string: no information
             return
         if emitted == row.accepted + 1 or row.accepted == k:
@@ -614,6 +630,7 @@ def measure_acceptance(
                             drafted=c.drafted,
                             accepted=c.accepted,
                             fuzzy_accepted=c.fuzzy,
+                            distorted_tokens=c.distorted,
                         )
                     )
     finally:

@@ -103,6 +103,7 @@ class RowStats:
     threshold: float
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
+    distorted: int = 0  # emitted positions whose distortion is > 0 (the events the sum is made of)
 
 
 @dataclass
@@ -491,7 +492,8 @@ class FSDEngine:
             accepted = min(n, emitted)
             fuzzy_count = int(sum(fuzzy[b][:accepted]))
             # Distortion of each emitted position: drafts at 0..n-1, the next token at n (not fuzzy: 0).
-            row_distortion = float(sum(distortion[b][: min(emitted, k)]))
+            charged = distortion[b][: min(emitted, k)]
+            row_distortion = float(sum(charged))
             r.drafted += drafted
             r.accepted += accepted
             r.fuzzy_accepted += fuzzy_count
@@ -511,6 +513,7 @@ class FSDEngine:
                     threshold=r.threshold,
                     finished=r.finished,
                     finish_reason=r.finish_reason,
+                    distorted=sum(1 for x in charged if x > 0),
                 )
             )
         return rows

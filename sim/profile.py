@@ -68,6 +68,13 @@ class AcceptancePoint(BaseModel):
         ..., description="P(position i accepted | positions < i accepted), length k"
     )
     mean_distortion: float = Field(..., ge=0, description="mean TV distortion per emitted token")
+    distorted_per_token: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="fraction of emitted tokens that carry distortion (D <= T, TV > 0); with it the simulator "
+        "draws distortion per token instead of charging every token the mean",
+    )
 
     @field_validator("threshold", "mean_distortion")
     @classmethod
@@ -136,6 +143,7 @@ class _Grid:
     thresholds: np.ndarray  # [n_points]
     position_accept: np.ndarray  # [n_points, k]
     mean_distortion: np.ndarray  # [n_points]
+    distorted_per_token: np.ndarray | None  # [n_points]; None unless every point has it
 
 
 class Profile(BaseModel):
@@ -219,6 +227,9 @@ class Profile(BaseModel):
                 thresholds=np.array([p.threshold for p in points]),
                 position_accept=np.array([p.position_accept for p in points]),
                 mean_distortion=np.array([p.mean_distortion for p in points]),
+                distorted_per_token=np.array([p.distorted_per_token for p in points])
+                if all(p.distorted_per_token is not None for p in points)
+                else None,
             )
         return grids
 
@@ -258,6 +269,21 @@ class Profile(BaseModel):
         _check_threshold(threshold)
         grid = self._grid(div, k)
         return float(np.interp(threshold, grid.thresholds, grid.mean_distortion))
+
+    def distortion_events(self, div: str, threshold: float, k: int) -> tuple[float, float] | None:
+        """``(p, size)``: each emitted token carries distortion ``size`` with probability ``p``, so the
+        mean per token is ``mean_distortion``; None when the profile has no event fractions (mean only)."""
+        _check_threshold(threshold)
+        grid = self._grid(div, k)
+        if grid.distorted_per_token is None:
+            return None
+        mean = float(np.interp(threshold, grid.thresholds, grid.mean_distortion))
+        p = float(np.interp(threshold, grid.thresholds, grid.distorted_per_token))
+        if mean <= 0.0:
+            return (0.0, 0.0)
+        if p < mean:  # TV <= 1 per token, so p >= mean; a point that breaks it is charged the mean
+            return (1.0, mean)
+        return (p, mean / p)
 
     def expected_tokens_per_iter(self, div: str, threshold: float, k: int) -> float:
         """E[accepted + 1] per sequence per iteration."""

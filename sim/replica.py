@@ -54,6 +54,10 @@ class DecodeSettings:
     survival_asc_by_tier: np.ndarray  # [n_tiers, k] survival reversed (ascending, for searchsorted)
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     iteration_coeffs: tuple[float, float]  # iteration ms = fixed + per_seq · B at the current k
+    # Distortion as events (None: every token carries its tier's mean): a token carries
+    # event_size_by_tier[τ] with probability event_p_by_tier[τ], so short windows see the real noise.
+    event_p_by_tier: np.ndarray | None = None  # [n_tiers]
+    event_size_by_tier: np.ndarray | None = None  # [n_tiers]
 
 
 @dataclass(slots=True)
@@ -71,6 +75,7 @@ class _Segment:
     tiers: frozenset[int]  # tiers present in the batch (a threshold change elsewhere leaves it be)
     n_new: int  # the first n_new of ids joined in this segment (iteration 0 is their prefill)
     length: int  # iterations in force (truncation lowers it)
+    distortion_rows: np.ndarray | None  # [L, B] drawn distortion per iteration (None: mean per token)
 
 
 class Replica:
@@ -213,6 +218,13 @@ class Replica:
         np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
         features = tokens @ settings.tier_weights.take(tiers, axis=0)  # [L, F]
         features[:, 1] = active_before
+        distortion_rows = None
+        if settings.event_p_by_tier is not None and settings.event_size_by_tier is not None:
+            n_t = self.bins.n_tiers
+            events = self.rng.binomial(tokens.astype(np.int64), settings.event_p_by_tier.take(tiers))
+            distortion_rows = events * settings.event_size_by_tier.take(tiers)
+            features[:, 3] = distortion_rows.sum(axis=1)
+            features[:, 4 + n_t :] = distortion_rows @ settings.tier_weights[:, 4 : 4 + n_t].take(tiers, axis=0)
         # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
         # iteration is clipped at its output length, which undercounts that iteration's accepts.
         np.subtract(features[:, 0], active_before, out=features[:, 2])
@@ -248,6 +260,7 @@ class Replica:
             tier_set,
             n_new,
             length,
+            distortion_rows,
         )
         self.version += 1
         return float(end_s[length - 1])
@@ -320,7 +333,10 @@ class Replica:
         if n:
             per_seq = seg.emitted[n - 1]
             table.emitted[ids] += per_seq
-            table.distortion_sum[ids] += per_seq * seg.distortion_per_token
+            if seg.distortion_rows is None:
+                table.distortion_sum[ids] += per_seq * seg.distortion_per_token
+            else:
+                table.distortion_sum[ids] += seg.distortion_rows[:n].sum(axis=0)
             self.iterations += n - 1 if seg.n_new else n
             keep = seg.finish_iter >= n
             self.running = ids[keep]

@@ -181,6 +181,13 @@ class Simulator:
             [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n in self.tier_names]
         )
         s.survival_asc_by_tier = np.ascontiguousarray(s.survival_by_tier[:, ::-1])
+        events = [self.profile.distortion_events(self.div, self.thresholds[n], k) for n in self.tier_names]
+        present = [e for e in events if e is not None]
+        if len(present) == len(events):
+            s.event_p_by_tier = np.array([p for p, _ in present])
+            s.event_size_by_tier = np.array([size for _, size in present])
+        else:
+            s.event_p_by_tier = s.event_size_by_tier = None
         n_t = len(self.tier_names)
         w = np.zeros((n_t, 4 + 2 * n_t))
         w[:, 0] = 1.0

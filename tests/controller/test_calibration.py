@@ -258,8 +258,16 @@ def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
     for s in record.acceptance:
         assert sum(s.accepted_histogram) == s.row_iterations
         assert s.fuzzy_accepted <= s.accepted <= s.drafted
+        # Every distortion event carries TV in (0, 1]: events bound the sum from both sides.
+        assert s.distorted_tokens is not None and s.distorted_tokens <= s.emitted_tokens
+        assert s.distortion_sum <= s.distorted_tokens + 1e-6 and (s.distorted_tokens > 0) == (s.distortion_sum > 0)
         if s.threshold == 0:
-            assert s.fuzzy_accepted == 0 and s.distortion_sum == 0.0
+            assert s.fuzzy_accepted == 0 and s.distortion_sum == 0.0 and s.distorted_tokens == 0
+    for div in tiny_profile.divs():  # the fit gives the simulator distortion as events
+        for k in tiny_profile.draft_lengths(div):
+            for t in tiny_profile.thresholds(div, k):
+                p, size = tiny_profile.distortion_events(div, float(t), k)
+                assert 0.0 <= size <= 1.0 and p * size == pytest.approx(tiny_profile.mean_distortion(div, float(t), k))
     decode = [s for s in record.latency if s.phase == "decode"]
     assert {(s.k, s.batch) for s in decode} == {(2, 1), (2, 3), (4, 1), (4, 3)}
     assert all(s.draft_ms > 0 and s.verify_ms > 0 and s.n >= 1 for s in decode)

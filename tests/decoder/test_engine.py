@@ -118,6 +118,8 @@ def test_accept_all_emits_k_plus_one_per_iteration(pair: ModelPair) -> None:
     assert emitted == [k + 1] * (n // (k + 1)) + [n % (k + 1)]
     assert out.acceptance_rate == 1.0
     assert out.distortion > 0.0  # the draft differs from the target, and every position was fuzzy
+    # Greedy distortion is 1[x != argmax p] per fuzzy position: the sum counts its events exactly.
+    assert sum(s.rows[0].distorted for s in steps) == round(out.distortion)
 
 
 def test_fuzzy_threshold_raises_acceptance(pair: ModelPair) -> None:

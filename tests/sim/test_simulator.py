@@ -8,6 +8,7 @@ import pytest
 from policies.slo import SLOSpec, TierSLO
 from policies.static import StaticPolicy
 from sim.autoscaler import AutoscalerConfig
+from sim.profile import Profile
 from sim.simulator import SimConfig
 
 from .conftest import exponential_profile, handmade_profile, make_workload, run_sim, single_tier_slo
@@ -120,6 +121,38 @@ def test_higher_threshold_is_faster_and_distorts_more() -> None:
     assert hi["tpot_ms"]["p50"] < lo["tpot_ms"]["p50"]
     assert hi["slo_attainment"] > lo["slo_attainment"]
     assert hi["mean_distortion"] > lo["mean_distortion"] == 0.0
+
+
+def _with_distortion_events(profile: Profile, share: float) -> Profile:
+    """The profile with every grid point's distortion carried by ``share``·(tokens) events (p ≥ mean)."""
+    data = profile.model_dump()
+    for point in data["acceptance"]:
+        point["distorted_per_token"] = min(1.0, point["mean_distortion"] / share) if point["mean_distortion"] else 0.0
+    return Profile.model_validate(data)
+
+
+def test_distortion_events_keep_the_mean_and_add_window_noise() -> None:
+    """With event fractions in the profile, distortion per token is drawn (p, size) per token: the
+    run's mean distortion matches the profile's mean (binomial s.e. bound), and per-window distortion
+    varies, where charging the mean gives every window the same value."""
+    slo = single_tier_slo(max_threshold=4.0)
+    w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.3},
+                      output_tokens={"kind": "fixed", "value": 200})
+    base = handmade_profile()
+    evented = _with_distortion_events(base, share=0.25)  # each event carries TV 0.25
+    p, size = evented.distortion_events("kl", 1.0, 4)
+    mean = base.mean_distortion("kl", 1.0, 4)
+    assert p * size == pytest.approx(mean) and size == pytest.approx(0.25)
+    runs = {name: run_sim(w, StaticPolicy(slo, 1.0), slo=slo, profile=prof, replicas=2, seed=9)
+            for name, prof in (("mean", base), ("events", evented))}
+    tokens = runs["events"].summary["output_tokens"]
+    got = runs["events"].summary["mean_distortion"]
+    se = size * math.sqrt(p * (1 - p) / tokens)
+    assert abs(got - mean) < 4 * se, (got, mean, se)
+    assert runs["mean"].summary["mean_distortion"] == pytest.approx(mean, rel=1e-9)
+    window = {name: np.asarray(r.timeseries["mean_distortion"], dtype=float) for name, r in runs.items()}
+    window = {name: x[~np.isnan(x) & (x > 0)] for name, x in window.items()}
+    assert np.std(window["mean"]) < 1e-9 < 0.01 < np.std(window["events"])
 
 
 def test_lossless_tier_stays_at_zero_distortion() -> None:

@@ -407,11 +407,12 @@ def markdown_table(summary: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, block in summary["modes"].items():
         for name, row in block["settings"].items():
-            ci = row["pass_at_1_ci95"]
+            ci = row["pass_at_1_ci95"]  # None when the settings share no finished task
+            interval = f"{num(ci[0])}–{num(ci[1])}" if ci else "–"
             vs = row.get("vs_sd")
             versus = f"{vs['solved_only_by_sd']} / {vs['solved_only_by_this']} ({vs['mcnemar_exact_p']:.2f})" if vs else "–"
             lines.append(
-                f"| {mode} | {name} | {row['passed']}/{row['n']} = {num(row['pass_at_1'])} ({num(ci[0])}–{num(ci[1])}) "
+                f"| {mode} | {name} | {row['passed']}/{row['n']} = {num(row['pass_at_1'])} ({interval}) "
                 f"| {num(row['tokens_per_s'])} | {num(row.get('speedup_vs_target'))} | {num(row.get('speedup_vs_sd'))} "
                 f"| {num(row['acceptance_rate'])} | {num(row['mean_distortion'], 3)} | {num(row['tokens_per_iteration'])} "
                 f"| {versus} |"

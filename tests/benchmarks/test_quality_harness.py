@@ -309,6 +309,13 @@ def test_summary_compares_settings_on_common_tasks_only() -> None:
     assert table[4].endswith("| 2 / 1 (1.00) |")
 
 
+def test_summary_table_of_settings_without_a_common_task() -> None:
+    records = [record("sd", 1, passed=True), record("kl@1", 2, passed=False)]  # no task done by both
+    summary = summarize(records, ["sd", "kl@1"], ["greedy"])
+    assert all(row["n"] == 0 for row in summary["modes"]["greedy"]["settings"].values())
+    assert "| greedy | kl@1 | 0/0 = – (–) |" in markdown_table(summary)
+
+
 def test_settings_parse_and_reject_bad_specs() -> None:
     assert parse_setting("target").kind == "target"
     sd = parse_setting("sd")

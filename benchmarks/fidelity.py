@@ -481,7 +481,9 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
     if args.profile is None and args.pair != "smollm2-135m":
         raise ValueError(f"--profile is required for pair {args.pair!r} (the shipped profile is smollm2-135m's)")
     profile_path = Path(args.profile) if args.profile else MEASURED_PROFILE
-    profile = Profile.load(profile_path) if profile_path.exists() else Profile.default()
+    if not profile_path.is_absolute() and not profile_path.exists() and (REPO / profile_path).exists():
+        profile_path = REPO / profile_path  # a repo-relative path, as reports store it
+    profile = Profile.load(profile_path)  # ValueError naming a missing or bad file
     if args.prompt_count is None and profile.calibration is not None:
         from controller.calibration import CalibrationRecord
 
@@ -565,7 +567,7 @@ def assemble_report(scenarios: list[dict[str, Any]], st: Setup, args: argparse.N
     return {
         "benchmark": "fidelity",
         "pair": args.pair,
-        "profile": str(st.profile_path),
+        "profile": _repo_relative(st.profile_path),
         "profile_provenance": st.profile.provenance.model_dump(),
         "policy": st.policy,
         "tier": args.tier,
@@ -603,9 +605,10 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     try:
         stored = json.loads(path.read_text())
         settings, table = stored["settings"], {row["scenario"]: row for row in stored["table"]}
-        runs = stored["scenarios"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc}") from None
+        runs = [(sc["name"], sc["requests"], sc["real"], table[sc["name"]].get("decomposition"))
+                for sc in stored["scenarios"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc!r}") from None
     keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim}
     known = vars(build_parser().parse_args([]))
     for key, value in settings.items():
@@ -614,24 +617,39 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile is None and stored.get("profile"):
         args.profile = stored["profile"]
     st = setup(args, port=0)
-    scenarios = [simulate_scenario(sc["name"], sc["requests"], sc["real"],
-                                   _against_profile(table[sc["name"]].get("decomposition"), st.profile, args),
-                                   st, args) for sc in runs]
+    scenarios = [simulate_scenario(name, n, real, _against_profile(parts, st.profile, real["records"], args), st, args)
+                 for name, n, real, parts in runs]
     report = assemble_report(scenarios, st, args, stored.get("http_round_trip_ms_p50"))
     report["resimulated_from"] = {"report": str(path), "command": stored.get("command"),
                                   "load_average": stored.get("load_average")}
     return report
 
 
-def _against_profile(parts: dict[str, Any] | None, profile: Any, args: argparse.Namespace) -> dict[str, Any] | None:
-    """A stored decomposition's profile-side figures recomputed for ``profile`` (the real side stays)."""
+def _against_profile(parts: dict[str, Any] | None, profile: Any, real_records: list[dict[str, Any]],
+                     args: argparse.Namespace) -> dict[str, Any] | None:
+    """A stored decomposition's profile-side figures recomputed for ``profile`` (the real side stays;
+    the TTFT gap is recomputed by :func:`simulate_scenario`)."""
     if not parts:
         return parts
-    step = float(profile.latency.iteration_ms(parts["mean_batch"], args.k))
+    lat = profile.latency
+    step = float(lat.iteration_ms(parts["mean_batch"], args.k))
     tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k)
-    return {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),
-            "tokens_per_row_iteration_profile": tokens,
-            "tokens_per_iteration_rel_error": _rel(tokens, parts["tokens_per_row_iteration_real"])}
+    ok = [r for r in real_records if r.get("fsd")]
+    prefill = lat.prefill_fixed_ms * max(1, len(ok)) + lat.prefill_ms_per_token * sum(r.get("prompt_tokens", 0) for r in ok)
+    out = {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),
+           "tokens_per_row_iteration_profile": tokens,
+           "tokens_per_iteration_rel_error": _rel(tokens, parts["tokens_per_row_iteration_real"]),
+           "prefill_ms_profile_total_upper": prefill}
+    out.pop("ttft_gap_ms_p50", None)
+    return out
+
+
+def _repo_relative(path: Path) -> str:
+    """``path`` relative to the repository when inside it (reports stay valid in any clone)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

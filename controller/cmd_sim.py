@@ -137,6 +137,22 @@ def build_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return workload, slo, profile, config
 
 
+def unreachable_tpot_targets(slo: Any, profile: Any, div: str, k: int) -> list[str]:
+    """Tiers whose p95 TPOT target is below the profile's best case (one sequence, no queue, the tier's
+    highest T): no policy can meet them, which an operator should hear before reading attainment."""
+    out = []
+    for name, tier in slo.tiers.items():
+        if tier.tpot_ms is None:
+            continue
+        ceiling = tier.fixed_threshold if tier.fixed_threshold is not None else tier.max_threshold
+        best = profile.tpot_ms(div, ceiling, k, batch=1)
+        if best > tier.tpot_ms:
+            out.append(f"tier {name!r}: p95 TPOT target {tier.tpot_ms:g} ms is below this profile's best case "
+                       f"({best:.0f} ms per token at batch 1, T = {ceiling:g}); no policy can meet it "
+                       f"({profile.provenance.pair}; --profile or --slo to change)")
+    return out
+
+
 def _progress_wanted(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
@@ -146,6 +162,10 @@ def handle(args: argparse.Namespace) -> int:
     from sim.simulator import Simulator
 
     workload, slo, profile, config = build_inputs(args)
+    if not args.quiet:
+        for warning in unreachable_tpot_targets(slo, profile, config.div or profile.default_div,
+                                                config.k or profile.default_k):
+            print(f"warning: {warning}", file=sys.stderr)
     if args.action == "run":
         policy = build_policy(args.policy, slo, profile, config.k)
         result = Simulator(config, profile, slo, workload, policy).run(progress=_progress_wanted(args))

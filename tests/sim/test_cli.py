@@ -5,6 +5,7 @@ import json
 import pytest
 
 from controller.cli import main
+from sim.profile import HANDMADE_2THREADS_PROFILE_PATH
 
 WORKLOAD = """name: cli
 duration_s: 120
@@ -108,3 +109,15 @@ def test_bad_slo_and_profile_files_name_the_field(tmp_path, workload, capsys) ->
     prof.write_text('{"schema_version": 1}')
     assert main(["sim", "--workload", str(workload), "--profile", str(prof), "--quiet"]) == 2
     assert "provenance" in capsys.readouterr().err
+
+
+def test_sim_warns_when_a_tier_target_is_out_of_the_profiles_reach(workload, capsys) -> None:
+    # The calibrated default (one-thread replicas) cannot reach the standard tier's 60 ms p95 TPOT at
+    # any allowed T; the hand-made two-thread profile can. The warning says which and why.
+    assert main(["sim", "--workload", str(workload), "--policy", "static:1.0"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: tier 'standard': p95 TPOT target 60 ms is below this profile's best case" in err
+    assert "'economy'" not in err
+    assert main(["sim", "--workload", str(workload), "--policy", "static:1.0",
+                 "--profile", str(HANDMADE_2THREADS_PROFILE_PATH)]) == 0
+    assert "warning" not in capsys.readouterr().err

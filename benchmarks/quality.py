@@ -483,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--rescore", action="store_true", help="re-run the tests on stored completions; no decoding"
     )
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    ap.add_argument(
+        "--reverse",
+        action="store_true",
+        help="take the tasks last to first: a second process on a copy of --out meets the first in the "
+        "middle (merge the two samples.jsonl; a task both finished is kept once)",
+    )
     return ap
 
 
@@ -578,7 +584,7 @@ def _generate_all(
     problems: Sequence[humaneval.Problem],
     store: SampleStore,
 ) -> int:
-    work = _pending(settings, modes, problems, store)
+    work = _pending(settings, modes, problems[::-1] if args.reverse else problems, store)
     if not work:
         return 0
     import torch

@@ -388,3 +388,13 @@ def test_run_is_resumable_on_the_tiny_pair(tmp_path: Path) -> None:
     assert len(redone) == 14 and all(json.loads(line) for line in redone)
     # Greedy decoding of a seeded setting is deterministic: the redone sample equals the lost one.
     assert json.loads(redone[-1])["completion"] == json.loads(lines[-1])["completion"]
+
+
+def test_reverse_takes_the_tasks_last_to_first(tmp_path: Path) -> None:
+    argv = ["--pair", "tiny", "--limit", "3", "--settings", "sd", "--modes", "greedy", "--max-new-tokens", "4",
+            "--no-progress", "--threads", "1"]
+    run([*argv, "--out", str(tmp_path / "fwd")])
+    run([*argv, "--out", str(tmp_path / "rev"), "--reverse"])
+    order = {d: [json.loads(x)["task_id"] for x in (tmp_path / d / "samples.jsonl").read_text().splitlines()]
+             for d in ("fwd", "rev")}
+    assert order["rev"] == order["fwd"][::-1] and len(set(order["fwd"])) == 3

@@ -482,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rescore", action="store_true", help="re-run the tests on stored completions; no decoding"
     )
+    ap.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="summarise what --out holds (over the tasks every setting finished); no decoding",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     ap.add_argument(
         "--reverse",
@@ -533,6 +538,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 result = humaneval.evaluate(problem, record["completion"], args.exec_timeout)
                 record.update(passed=result.passed, status=result.status, detail=result.detail)
         store.rewrite()
+        generated = 0
+    elif args.summary_only:
         generated = 0
     else:
         generated = _generate_all(args, settings, modes, problems, store)

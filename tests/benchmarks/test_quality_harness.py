@@ -398,3 +398,9 @@ def test_reverse_takes_the_tasks_last_to_first(tmp_path: Path) -> None:
     order = {d: [json.loads(x)["task_id"] for x in (tmp_path / d / "samples.jsonl").read_text().splitlines()]
              for d in ("fwd", "rev")}
     assert order["rev"] == order["fwd"][::-1] and len(set(order["fwd"])) == 3
+    # --summary-only on a store missing a setting: no decoding, the summary covers what is there.
+    before = (tmp_path / "rev" / "samples.jsonl").read_bytes()
+    summary = run([*argv, "--out", str(tmp_path / "rev"), "--settings", "sd,kl@1.0", "--summary-only"])
+    assert summary["generated"] == 0 and (tmp_path / "rev" / "samples.jsonl").read_bytes() == before
+    assert list(summary["modes"]["greedy"]["settings"]) == ["sd"]
+    assert summary["modes"]["greedy"]["settings"]["sd"]["n"] == 3

@@ -18,6 +18,84 @@ from controller.config import FSDConfig
 
 logger = logging.getLogger(__name__)
 
+#: Serve's deadlines for its HTTP proxy, raised so a busy machine (CI, a shared box) does not fail start-up.
+#: Ray Serve 2.60 (``serve/_private/proxy_state.py``) marks a proxy UNHEALTHY after three ready checks in a
+#: row that each took longer than ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`` (default 5 s) and kills it with
+#: ``ray.kill``; ``serve.start``, waiting on that proxy, then fails with ``ActorDiedError`` on the
+#: ``ProxyActor``. Health checks (default every 10 s, 10 s timeout, three misses) kill a slow proxy the same
+#: way later. Serve's controller actor reads these at import, so they must be in the environment before
+#: ``ray.init`` starts the raylet whose workers inherit it; an operator's own values win (setdefault). On an
+#: existing cluster (``--address``) the cluster's own environment applies.
+SLOW_MACHINE_SERVE_ENV: dict[str, str] = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "20",
+    # Deployments without their own health_check_timeout_s (the FSD controller deployment).
+    "RAY_SERVE_DEPLOYMENT_ACTOR_HEALTH_CHECK_TIMEOUT_S": "120",
+}
+
+
+def apply_slow_machine_env() -> None:
+    """Put :data:`SLOW_MACHINE_SERVE_ENV` into ``os.environ`` (call before ``ray.init``)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for name, value in SLOW_MACHINE_SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def init_local_ray(attempts: int = 3, **init_kwargs: Any) -> None:
+    """``ray.init(address="local", ...)`` and check the cluster runs a task; start-up retried.
+
+    On a saturated machine a raylet can die at start-up (it waits a bounded time for its metrics agent);
+    that is the environment, not the code, so a fresh cluster is tried again, up to ``attempts`` times.
+    """
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def ping() -> int:
+        return 1
+
+    apply_slow_machine_env()
+    for attempt in range(1, attempts + 1):
+        # address="local": always a fresh cluster, never one a stray `ray start` left behind.
+        ray.init(address="local", **init_kwargs)
+        try:
+            if ray.get(ping.remote(), timeout=300) == 1:
+                return
+        except Exception:
+            if attempt == attempts:
+                raise
+            logger.warning("local Ray cluster did not run a task (attempt %d/%d); restarting it", attempt,
+                           attempts, exc_info=True)
+        ray.shutdown()
+
+
+def start_serve(http_options: dict[str, Any], proxy_location: str | None = None, attempts: int = 3) -> None:
+    """``serve.start``, retried when the proxy does not come up (a busy machine, not the code under test).
+
+    ``serve.start`` waits a fixed 60 s for its proxy and fails with ``TimeoutError``, or with a
+    ``RayActorError`` when Serve's controller gave up on the proxy and killed it; either way Serve is shut
+    down and started afresh, up to ``attempts`` times.
+    """
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    kwargs: dict[str, Any] = {"http_options": http_options}
+    if proxy_location is not None:
+        kwargs["proxy_location"] = proxy_location
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(**kwargs)
+            return
+        except (TimeoutError, RayActorError) as exc:
+            if attempt == attempts:
+                raise
+            logger.warning("serve.start failed (attempt %d/%d: %s); restarting Serve", attempt, attempts,
+                           type(exc).__name__)
+            try:
+                serve.shutdown()
+            except Exception:  # a half-started Serve; the next serve.start builds a fresh controller
+                logger.warning("serve.shutdown after a failed start raised", exc_info=True)
+
 
 def resolve_address(cli_address: str | None, cfg: FSDConfig) -> str | None:
     """Cluster address: ``--address``, else ``$RAY_ADDRESS``, else ``ray.address`` in the config."""
@@ -47,20 +125,20 @@ class Service:
 
         from controller.app import build_app
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        apply_slow_machine_env()
         init_kwargs: dict[str, Any] = {"log_to_driver": not self.quiet}
         if self.address:
             ray.init(address=self.address, **init_kwargs)
         else:
             # address="local": start a new cluster even if a `ray start` one runs on this machine.
-            init_kwargs.update(address="local", num_cpus=self.cfg.ray.num_cpus, include_dashboard=False)
+            init_kwargs.update(num_cpus=self.cfg.ray.num_cpus, include_dashboard=False)
             if self.cfg.ray.object_store_memory is not None:
                 init_kwargs["object_store_memory"] = self.cfg.ray.object_store_memory
-            ray.init(**init_kwargs)
+            init_local_ray(**init_kwargs)
             self._own_cluster = True
         self._started = True
-        serve.start(proxy_location=self.cfg.http.proxy_location,
-                    http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
+        start_serve({"host": self.cfg.http.host, "port": self.cfg.http.port},
+                    proxy_location=self.cfg.http.proxy_location)
         serve.run(build_app(self.cfg), name=self.cfg.serve.app_name, route_prefix=self.cfg.serve.route_prefix)
         self._wait_ready(ready_timeout_s)
         return self.url

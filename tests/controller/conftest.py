@@ -1,6 +1,8 @@
 """One local Ray cluster and one Serve HTTP proxy for the whole controller test session.
 
-The cluster is small on purpose (2 CPUs, ~100 MB object store) and binds loopback on a free port.
+The cluster is small on purpose (2 CPUs, ~100 MB object store) and binds loopback on a free port. Start-up
+is generous with time (``controller.runtime.init_local_ray``/``start_serve``): a busy machine is slow, not
+broken.
 Tests that need the FSD app use the ``service`` fixture (tiny random pair, fast control loop); it is
 deployed once per module and reused across that module's tests.
 """
@@ -33,39 +35,18 @@ class RayServe:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _start_cluster(attempts: int = 3) -> None:
-    """Start a fresh local cluster and check it runs a task.
-
-    On a saturated machine a raylet can die at start-up (it waits a bounded time for its metrics
-    agent); that is the environment, not the code under test, so start-up is retried.
-    """
-    import ray
-
-    @ray.remote(num_cpus=0)
-    def ping() -> int:
-        return 1
-
-    for attempt in range(1, attempts + 1):
-        # address="local": always a fresh cluster, never one a stray `ray start` left behind.
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-                 log_to_driver=False)
-        try:
-            if ray.get(ping.remote(), timeout=120) == 1:
-                return
-        except Exception:
-            if attempt == attempts:
-                raise
-        ray.shutdown()
-
-
 @pytest.fixture(scope="session")
 def ray_serve() -> Iterator[RayServe]:
     import ray
     from ray import serve
 
+    from controller.runtime import init_local_ray, start_serve
+
     port = free_port()
-    _start_cluster()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Both retry start-up and raise Serve's proxy deadlines (controller/runtime.py): a busy CI machine must
+    # not turn every Ray test into a fixture error.
+    init_local_ray(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024, log_to_driver=False)
+    start_serve({"host": "127.0.0.1", "port": port})
     try:
         yield RayServe(port)
     finally:

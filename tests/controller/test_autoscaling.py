@@ -14,7 +14,7 @@ import pytest
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
 
 # slow: the scale-up waits on Serve's autoscaler (seconds on a quiet machine, minutes on a saturated one).
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 APP = "fsd-autoscale"
 
@@ -61,7 +61,7 @@ def test_autoscaled_replica_gets_current_threshold(ray_serve: RayServe) -> None:
                     status_replicas[:] = (await asyncio.to_thread(status))["replicas"]
 
         async def scenario() -> list[int]:
-            stop_at = time.monotonic() + 150
+            stop_at = time.monotonic() + 300
             codes, _ = await asyncio.gather(load(stop_at), watch(stop_at))
             return codes
 
@@ -71,7 +71,7 @@ def test_autoscaled_replica_gets_current_threshold(ray_serve: RayServe) -> None:
         assert set(codes) <= {200}, codes
         assert len(status_replicas) == 2, "the autoscaler should add a second replica under load"
         # Every replica, the new one included, runs the controller's current T and version.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a tick is 0.2 s; a busy machine stretches it
         while time.monotonic() < deadline:
             st = status()
             reps = st["replicas"]

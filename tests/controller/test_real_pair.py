@@ -33,7 +33,7 @@ def test_real_pair_chat_completion(ray_serve: RayServe) -> None:
         assert "Paris" in data["choices"][0]["message"]["content"]
         # Lossless tier: T = 0, so greedy output is exactly the target's greedy answer.
         assert data["fsd"]["threshold"] == 0.0 and data["fsd"]["drafted_tokens"] > 0
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             st = httpx.get(f"{url}/v1/fsd/status", timeout=10).json()
             if st["replicas"] and st["replicas"][0]["pair"] == "smollm2-135m":

@@ -29,7 +29,7 @@ demo: venv
 	$(BIN)/fsd demo
 
 test: venv
-	$(BIN)/ruff check decoder policies sim controller tests benchmarks
+	$(BIN)/ruff check decoder policies sim controller fsd_cli tests benchmarks
 	$(BIN)/mypy policies
 	$(BIN)/python -m pytest -q -ra
 

@@ -120,7 +120,7 @@ async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens:
     if args.prompts == "calibration":
         # The text the profile's acceptance was measured on: acceptance depends on the text (filler
         # words are far more predictable than answers to instructions).
-        from controller.calibration import CALIBRATION_PROMPTS
+        from decoder.calibration import CALIBRATION_PROMPTS
 
         path = "/v1/chat/completions"
         prompts = CALIBRATION_PROMPTS[: args.prompt_count or len(CALIBRATION_PROMPTS)]
@@ -485,7 +485,7 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
         profile_path = REPO / profile_path  # a repo-relative path, as reports store it
     profile = Profile.load(profile_path)  # ValueError naming a missing or bad file
     if args.prompt_count is None and profile.calibration is not None:
-        from controller.calibration import CalibrationRecord
+        from decoder.calibration import CalibrationRecord
 
         args.prompt_count = CalibrationRecord.model_validate(profile.calibration).settings.prompts
     try:

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sse_client import timed_stream  # noqa: E402
-from controller.cmd_demo import PROMPTS  # noqa: E402  (one prompt set for the demo and the load test)
+from sim.prompts import PROMPTS  # noqa: E402  (one prompt set for the demo and the load test)
 
 
 def arrivals(rates: list[float], phase_s: float, process: str, cv: float, rng: np.random.Generator,

@@ -31,8 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.cmd_sim import build_policy, summary_row  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
+from sim.compare import summary_row  # noqa: E402
+from sim.inputs import build_policy  # noqa: E402
 from sim.profile import HANDMADE_2THREADS_PROFILE_PATH, Profile  # noqa: E402
 from sim.simulator import SimConfig, Simulator  # noqa: E402
 from sim.workload import Workload  # noqa: E402

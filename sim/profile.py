@@ -160,7 +160,7 @@ class Profile(BaseModel):
     calibration: dict[str, Any] | None = Field(
         None,
         description="raw measurements the acceptance and latency fields were fitted to, written by "
-        "`fsd calibrate` (typed and documented in controller/calibration.py); the simulator ignores it",
+        "`fsd calibrate` (typed and documented in decoder/calibration.py); the simulator ignores it",
     )
 
     @model_validator(mode="after")

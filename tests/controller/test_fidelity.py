@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.calibration import CalibrationSettings, calibrate
+from decoder.calibration import CalibrationSettings
+from fsd_cli.calibrate import calibrate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import fidelity  # noqa: E402

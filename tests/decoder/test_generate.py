@@ -123,7 +123,7 @@ def test_generate_text_stops_at_stop_string(pair: ModelPair) -> None:
 def test_cli_generate_prints_text_and_stats(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from controller.cli import main
+    from fsd_cli.main import main
 
     argv = ["generate", "--pair", "tiny", "--threshold", "0.5", "-k", "3", "--max-new-tokens", "12", "--seed", "1"]
     assert main([*argv, "--json", "hello"]) == 0

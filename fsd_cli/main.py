@@ -1,6 +1,6 @@
 """The ``fsd`` command line.
 
-Each sub-command lives in its own ``controller/cmd_<name>.py`` module exposing
+Each sub-command lives in its own ``fsd_cli/<name>.py`` module exposing
 ``register(subparsers) -> None``, which adds its parser and sets ``func`` to a handler taking the
 parsed args and returning an exit code. Heavy imports (torch, Ray) happen inside the handlers, so
 ``fsd sim`` never pays for them.
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
-        module = f"controller.cmd_{name}"
+        module = f"fsd_cli.{name}"
         if importlib.util.find_spec(module) is None:
             continue
         importlib.import_module(module).register(sub)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from controller.cli import main
+from fsd_cli.main import main
 from sim.profile import HANDMADE_2THREADS_PROFILE_PATH
 
 WORKLOAD = """name: cli

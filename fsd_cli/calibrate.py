@@ -7,8 +7,8 @@ Examples::
     fsd calibrate --pair smollm2-135m --out p.json --divs kl --ks 4 --thresholds kl=0,0.5,1,2
 
 The headline numbers (acceptance and tokens per iteration per T, iteration time per batch size) are
-printed as JSON on stdout; the progress bar goes to stderr. See docs/calibration.md and
-controller/calibration.py for what is measured and how it is fitted.
+printed as JSON on stdout; the progress bar goes to stderr. See docs/calibration.md,
+decoder/calibration.py (what is measured) and sim/profile_fit.py (how it is fitted).
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch-heavy; imported in the handlers
+    from decoder.calibration import CalibrationSettings
+    from decoder.models import ModelPair
+    from sim.profile import Profile
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -87,7 +93,7 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     """The CalibrationSettings the flags describe (ValueError naming a bad flag)."""
-    from controller.calibration import CalibrationSettings
+    from decoder.calibration import CalibrationSettings
 
     overrides: dict[str, Any] = {"seed": args.seed}
     if args.divs:
@@ -127,6 +133,23 @@ def load_named_pair(name: str, dtype: str | None = None, draft_dtype: str | None
     return load_pair(name, dtype=dtype, draft_dtype=draft_dtype)
 
 
+def calibrate(pair: ModelPair, settings: CalibrationSettings, *, command: str = "", progress: bool = False,
+              log: Callable[[str], None] | None = None, acceptance_from: Profile | None = None) -> Profile:
+    """Measure ``pair`` (decoder/calibration.py) and fit its Profile (sim/profile_fit.py).
+
+    ``acceptance_from``: an earlier calibrated ``Profile`` of the same pair whose acceptance data is reused.
+    """
+    from decoder.calibration import EarlierCalibration, measure
+    from sim.profile_fit import fit_profile
+
+    earlier = None
+    if acceptance_from is not None:
+        earlier = EarlierCalibration(source=acceptance_from.provenance.source, pair=acceptance_from.provenance.pair,
+                                     date=acceptance_from.provenance.date, calibration=acceptance_from.calibration)
+    measurement = measure(pair, settings, progress=progress, log=log, acceptance_from=earlier)
+    return fit_profile(measurement, command=command)
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -139,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from controller.calibration import calibrate, headline
     from sim.profile import Profile
+    from sim.profile_fit import headline
 
     source = Profile.load(args.acceptance_from) if args.acceptance_from is not None else None
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
+from fsd_cli.main import main
 
 
 @pytest.fixture(autouse=True)

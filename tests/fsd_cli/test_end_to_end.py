@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_tiny_runs_shows_t_and_leaves_no_processes() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "controller.cli", "demo", "--pair", "tiny", "--duration", "12", "--requests", "12"]
+    cmd = [sys.executable, "-m", "fsd_cli", "demo", "--pair", "tiny", "--duration", "12", "--requests", "12"]
     wrapper = subprocess.run([sys.executable, "-c", REAPER, *cmd], capture_output=True, text=True, timeout=590,
                              env=env, cwd=ROOT)
     assert wrapper.returncode == 0, wrapper.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_demo_tiny_runs_shows_t_and_leaves_no_processes() -> None:
 def test_serve_rejects_a_bad_config_naming_the_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("control:\n  interval_s: -2\n")
-    proc = subprocess.run([sys.executable, "-m", "controller.cli", "serve", str(bad)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "fsd_cli", "serve", str(bad)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert "control.interval_s" in proc.stderr

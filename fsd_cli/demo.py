@@ -15,6 +15,8 @@ import socket
 import time
 from typing import Any
 
+from sim.prompts import PROMPTS
+
 TIERS = ("standard", "economy")
 GRACE_S = 30.0
 
@@ -36,18 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-PROMPTS = (
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about distributed systems.",
-    "List three uses of a hash map.",
-    "What is speculative decoding?",
-    "Give a short recipe for pancakes.",
-    "Summarise the plot of Hamlet in one paragraph.",
-    "Describe a binary search in plain words.",
-    "Name four planets and one fact about each.",
-)
 
 
 async def _one(client: Any, url: str, i: int, max_tokens: int, results: list[dict[str, Any]]) -> None:

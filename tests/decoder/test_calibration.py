@@ -1,4 +1,5 @@
-"""Calibration: the estimators and fits on their own, then a whole calibration of the tiny pair."""
+"""Calibration: the estimators (decoder/calibration.py) and fits (sim/profile_fit.py) on their own, then a
+whole calibration of the tiny pair (measure + fit, as ``fsd calibrate`` runs them)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from controller.calibration import (
+from decoder.calibration import (
     AcceptanceSample,
     CalibrationRecord,
     CalibrationSettings,
     LatencySample,
-    calibrate,
-    fit_acceptance,
-    fit_latency,
-    isotonic_increasing,
     position_counts,
 )
+from fsd_cli.calibrate import calibrate
 from sim.profile import Profile
+from sim.profile_fit import fit_acceptance, fit_latency, isotonic_increasing
 
 # ---------------------------------------------------------------------------------------------------
 # Per-position acceptance estimator
@@ -273,50 +272,6 @@ def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
     assert all(s.draft_ms > 0 and s.verify_ms > 0 and s.n >= 1 for s in decode)
     prefill = [s for s in record.latency if s.phase == "prefill"]
     assert {s.tokens for s in prefill if s.batch == 1} >= {16.0, 64.0}
-
-
-# ---------------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_cli_quick_on_the_tiny_pair_writes_a_profile(tmp_path, capsys) -> None:
-    from controller.cli import main
-
-    out = tmp_path / "p.json"
-    rc = main(["calibrate", "--pair", "tiny", "--quick", "--no-progress", "--out", str(out),
-               "--batch-sizes", "1,2", "--thresholds", "kl=0,1"])
-    assert rc == 0
-    profile = Profile.load(out)
-    assert list(profile.thresholds("kl", 4)) == [0.0, 1.0]
-    assert "calibrate" in profile.provenance.command
-    headline = json.loads(capsys.readouterr().out)
-    assert [row["T"] for row in headline["per_threshold"]] == [0.0, 1.0]
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--ks", "4,x"], "--ks"),
-        (["--ks", "0"], "ks"),
-        (["--divs", "nope"], "nope"),
-        (["--thresholds", "kl=0,-2"], "thresholds"),
-    ],
-)
-def test_cli_bad_flags_are_errors_naming_them(tmp_path, capsys, argv: list[str], message: str) -> None:
-    from controller.cli import main
-
-    rc = main(["calibrate", "--pair", "tiny", "--quick", "--no-progress", "--out", str(tmp_path / "p.json"), *argv])
-    assert rc == 2
-    assert message in capsys.readouterr().err
-
-
-def test_cli_refuses_an_output_directory_that_does_not_exist(tmp_path, capsys) -> None:
-    from controller.cli import main
-
-    rc = main(["calibrate", "--pair", "tiny", "--quick", "--out", str(tmp_path / "missing" / "p.json")])
-    assert rc == 2
-    assert "--out" in capsys.readouterr().err
 
 
 def test_acceptance_can_be_reused_and_only_latency_remeasured(tiny_profile: Profile) -> None:

@@ -1,4 +1,8 @@
-"""Calibration: measure a model pair with the real engine on this machine and write the simulator's Profile.
+"""Calibration: measure a model pair with the real engine on this machine, for the simulator's Profile.
+
+This module measures (raw counts and timings, :func:`measure`); ``sim/profile_fit.py`` fits the Profile
+from them (the isotonic and least-squares fits described below live there), so the simulator stays
+torch-free and this module never imports sim/. ``fsd calibrate`` runs both.
 
 Everything is measured through :meth:`decoder.engine.FSDEngine.step`, the loop a serving replica drives,
 so the profile describes what a replica does, bookkeeping included. Two sweeps:
@@ -57,18 +61,19 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sim.profile import AcceptancePoint, LatencyModel, Profile, Provenance
+from decoder.acceptance import DIVERGENCES
+from decoder.engine import FSDEngine, RowStats, SamplingParams, StepStats
+from decoder.models import ModelPair
 
-# The engine's divergence names (decoder.acceptance.DIVERGENCES); kept here so this module imports
-# without torch until a sweep actually runs.
-KNOWN_DIVS = ("kl", "reverse_kl", "js", "tv", "draft_tokens")
+#: The engine's divergence names, in its order.
+KNOWN_DIVS: tuple[str, ...] = tuple(DIVERGENCES)
 
 #: Default T grids. kl is unbounded (SmolLM2's int8 self-draft has median KL ≈ 2.5, so 8 is close to
 #: accept-all); js ≤ ln 2 ≈ 0.693 and draft_tokens = |p(x) − q(x)| ≤ 1, so their last points accept all.
@@ -290,17 +295,6 @@ class LatencySample(BaseModel):
     cpu_fraction: float = Field(1.0, description="process CPU time / wall time during the steps (1 = no contention)")
 
 
-class FitQuality(BaseModel):
-    """How well each latency fit reproduces its points (relative error of the mean, per point)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    draft_max_rel_error: float
-    verify_max_rel_error: float
-    iteration_max_rel_error: float
-    prefill_max_rel_error: float
-
-
 class CalibrationRecord(BaseModel):
     """Everything a calibration measured, stored as ``Profile.calibration``."""
 
@@ -313,11 +307,13 @@ class CalibrationRecord(BaseModel):
     wall_s: float
     acceptance: list[AcceptanceSample]
     latency: list[LatencySample]
-    fit: FitQuality
+    fit: dict[str, float] | None = Field(
+        None, description="how well the profile's latency fit reproduces these points (sim.profile_fit.FitQuality)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
-# Fitting (pure numpy/scipy: unit-tested without models)
+# Per-position counts (the censored estimator's input; pure numpy: unit-tested without models)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -340,145 +336,6 @@ def position_counts(
     trials = exact_at_least[:-1] + censored_at_least[1:]  # exact A >= i, or censored a > i
     accepts = exact_at_least[1:] + censored_at_least[1:]
     return trials.tolist(), accepts.tolist()
-
-
-def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit (pool adjacent violators).
-
-    Points with zero weight carry no information: they take the fitted value of the nearest weighted
-    point before them (or after, for leading ones).
-    """
-    from scipy.optimize import isotonic_regression
-
-    y = np.asarray(values, dtype=float)
-    w = np.asarray(weights, dtype=float)
-    if y.shape != w.shape or y.ndim != 1:
-        raise ValueError(f"values and weights must be equal-length 1-D, got {y.shape} and {w.shape}")
-    informative = w > 0
-    if not informative.any():
-        raise ValueError("isotonic fit needs at least one point with positive weight")
-    fitted = np.empty_like(y)
-    idx = np.flatnonzero(informative)
-    fitted[idx] = isotonic_regression(y[idx], weights=w[idx], increasing=True).x
-    for i in range(y.size):  # fill uninformative points from the left neighbour (keeps monotone)
-        if not informative[i]:
-            left = idx[idx < i]
-            fitted[i] = fitted[left[-1]] if left.size else fitted[idx[0]]
-    return fitted
-
-
-def fit_acceptance(samples: Iterable[AcceptanceSample]) -> list[AcceptancePoint]:
-    """Profile acceptance points from raw samples: per (div, k), monotone in T (see module docstring)."""
-    groups: dict[tuple[str, int], list[AcceptanceSample]] = {}
-    for s in samples:
-        groups.setdefault((s.div, s.k), []).append(s)
-    points: list[AcceptancePoint] = []
-    for (div, k), group in sorted(groups.items()):
-        group.sort(key=lambda s: s.threshold)
-        if group[0].threshold != 0.0:
-            raise ValueError(f"acceptance samples for div={div!r} k={k} have no T = 0 point")
-        n_t = len(group)
-        trials = np.array([s.position_trials for s in group], dtype=float)  # [n_t, k]
-        accepts = np.array([s.position_accepts for s in group], dtype=float)
-        if trials[:, 0].sum() == 0:
-            raise ValueError(f"no uncensored iterations measured for div={div!r} k={k}; raise max_new_tokens")
-        raw = np.divide(accepts, trials, out=np.full_like(accepts, np.nan), where=trials > 0)
-        fitted = np.empty((n_t, k))
-        for i in range(k):
-            if trials[:, i].sum() > 0:
-                fitted[:, i] = isotonic_increasing(np.nan_to_num(raw[:, i]), trials[:, i])
-            else:  # never reached at any T: the best guess is the previous position's value
-                fitted[:, i] = fitted[:, i - 1]
-        tokens = np.array([s.emitted_tokens for s in group], dtype=float)
-        distortion = np.array([s.mean_distortion for s in group])
-        distortion[0] = 0.0  # T = 0 never takes the fuzzy branch (exact by construction)
-        if tokens[1:].sum() > 0:
-            distortion[1:] = isotonic_increasing(distortion[1:], tokens[1:])
-        distortion = np.maximum(distortion, 0.0)
-        # Fraction of emitted tokens that carry distortion: with the mean it lets the simulator draw
-        # distortion as events, with the per-window noise a quality guard reacts to.
-        distorted = None
-        if all(s.distorted_tokens is not None for s in group):
-            distorted = np.array([(s.distorted_tokens or 0) / s.emitted_tokens if s.emitted_tokens else 0.0
-                                  for s in group])
-            distorted[0] = 0.0
-            if tokens[1:].sum() > 0:
-                distorted[1:] = isotonic_increasing(distorted[1:], tokens[1:])
-            distorted = np.clip(distorted, 0.0, 1.0)
-        for j, s in enumerate(group):
-            points.append(
-                AcceptancePoint(
-                    div=div,
-                    k=k,
-                    threshold=s.threshold,
-                    position_accept=[float(np.clip(x, 0.0, 1.0)) for x in fitted[j]],
-                    mean_distortion=float(distortion[j]),
-                    distorted_per_token=None if distorted is None else float(distorted[j]),
-                )
-            )
-    return points
-
-
-@dataclass(frozen=True)
-class LatencyFit:
-    model: LatencyModel
-    quality: FitQuality
-
-
-def _nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
-    from scipy.optimize import nnls
-
-    coef, _ = nnls(design, target)
-    return np.asarray(coef)
-
-
-def _max_rel_error(predicted: np.ndarray, measured: np.ndarray) -> float:
-    if predicted.size == 0:
-        return 0.0
-    return float(np.max(np.abs(predicted - measured) / np.maximum(np.abs(measured), 1e-9)))
-
-
-def fit_latency(samples: Sequence[LatencySample]) -> LatencyFit:
-    """Non-negative least-squares fit of the profile's latency model to the measured points."""
-    decode = [s for s in samples if s.phase == "decode"]
-    prefill = [s for s in samples if s.phase == "prefill"]
-    if not decode:
-        raise ValueError("no decode timing samples to fit")
-    if not prefill:
-        raise ValueError("no prefill timing samples to fit")
-    k = np.array([s.k for s in decode], dtype=float)
-    b = np.array([s.batch for s in decode], dtype=float)
-    draft = np.array([s.draft_ms for s in decode])
-    verify = np.array([s.verify_ms + s.overhead_ms for s in decode])
-    draft_design = np.stack([k, k * b], axis=1)
-    verify_design = np.stack([np.ones_like(b), b, k * b], axis=1)
-    draft_a, draft_b = _nnls(draft_design, draft)
-    verify_a, verify_b, verify_c = _nnls(verify_design, verify)
-
-    tok = np.array([s.tokens for s in prefill], dtype=float)
-    pre = np.array([s.prefill_ms for s in prefill])
-    prefill_fixed, prefill_per_token = _nnls(np.stack([np.ones_like(tok), tok], axis=1), pre)
-
-    model = LatencyModel(
-        draft_a_ms=float(draft_a),
-        draft_b_ms=float(draft_b),
-        verify_a_ms=float(verify_a),
-        verify_b_ms=float(verify_b),
-        verify_c_ms=float(verify_c),
-        prefill_ms_per_token=float(prefill_per_token),
-        prefill_fixed_ms=float(prefill_fixed),
-    )
-    draft_pred = draft_design @ np.array([draft_a, draft_b])
-    verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])
-    iteration_pred = np.array([float(model.iteration_ms(int(s.batch), int(s.k))) for s in decode])
-    prefill_pred = prefill_fixed + tok * prefill_per_token
-    quality = FitQuality(
-        draft_max_rel_error=_max_rel_error(draft_pred, draft),
-        verify_max_rel_error=_max_rel_error(verify_pred, verify),
-        iteration_max_rel_error=_max_rel_error(iteration_pred, draft + verify),
-        prefill_max_rel_error=_max_rel_error(prefill_pred, pre),
-    )
-    return LatencyFit(model, quality)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -504,7 +361,7 @@ class _Counts:
         self.histogram = [0] * (self.k + 1)
         self.censored = [0] * (self.k + 1)
 
-    def add(self, row: Any, k: int) -> None:
+    def add(self, row: RowStats, k: int) -> None:
         """Fold in one RowStats of a step with draft length ``k`` (see the module docstring)."""
         emitted = len(row.new_token_ids)
         self.emitted += emitted
@@ -544,15 +401,11 @@ class _Progress:
             self._bar.close()
 
 
-def _engine(pair: Any, settings: CalibrationSettings, div: str, k: int, batch: int) -> Any:
-    from decoder.engine import FSDEngine
-
+def _engine(pair: ModelPair, settings: CalibrationSettings, div: str, k: int, batch: int) -> FSDEngine:
     return FSDEngine(pair, num_draft_tokens=k, div=div, rule=settings.rule, max_batch_size=batch, seed=settings.seed)
 
 
-def _params(settings: CalibrationSettings, max_new_tokens: int, seed: int, ignore_eos: bool) -> Any:
-    from decoder.engine import SamplingParams
-
+def _params(settings: CalibrationSettings, max_new_tokens: int, seed: int, ignore_eos: bool) -> SamplingParams:
     return SamplingParams(
         temperature=settings.temperature,
         max_new_tokens=max_new_tokens,
@@ -561,7 +414,7 @@ def _params(settings: CalibrationSettings, max_new_tokens: int, seed: int, ignor
     )
 
 
-def _prompt_ids(pair: Any, settings: CalibrationSettings) -> list[list[int]]:
+def _prompt_ids(pair: ModelPair, settings: CalibrationSettings) -> list[list[int]]:
     ids = [pair.encode_prompt(p) for p in CALIBRATION_PROMPTS[: settings.prompts]]
     room = pair.max_context - settings.max_new_tokens
     if room < 2:
@@ -569,7 +422,7 @@ def _prompt_ids(pair: Any, settings: CalibrationSettings) -> list[list[int]]:
     return [p[-room:] for p in ids]
 
 
-def _filler_ids(pair: Any, length: int) -> list[int]:
+def _filler_ids(pair: ModelPair, length: int) -> list[int]:
     """A prompt of exactly ``length`` tokens: the calibration prompts' text, repeated as needed."""
     text = "\n".join(CALIBRATION_PROMPTS)
     base = [int(t) for t in pair.tokenizer.encode(text, add_special_tokens=False)]
@@ -580,7 +433,7 @@ def _filler_ids(pair: Any, length: int) -> list[int]:
 
 
 def measure_acceptance(
-    pair: Any, settings: CalibrationSettings, progress: bool = False
+    pair: ModelPair, settings: CalibrationSettings, progress: bool = False
 ) -> list[AcceptanceSample]:
     """Run the (div × k × T × prompt) sweep through the engine's step API; raw counts per grid point."""
     prompts = _prompt_ids(pair, settings)
@@ -639,7 +492,7 @@ def measure_acceptance(
 
 
 def _summarise_decode(
-    k: int, batch: int, steps: list[Any], walls: list[float], cpus: list[float], contexts: list[float], clock: str
+    k: int, batch: int, steps: list[StepStats], walls: list[float], cpus: list[float], contexts: list[float], clock: str
 ) -> LatencySample:
     share = np.clip(np.array(cpus) / np.maximum(np.array(walls), 1e-9), 0.0, 1.0)
     scale = share if clock == "cpu" else np.ones_like(share)
@@ -663,14 +516,14 @@ def _summarise_decode(
     )
 
 
-def _timed_step(engine: Any) -> tuple[Any, float, float]:
+def _timed_step(engine: FSDEngine) -> tuple[StepStats, float, float]:
     """``(StepStats, wall s, process CPU s)`` of one engine step."""
     c0, t0 = time.process_time(), time.perf_counter()
     step = engine.step()
     return step, time.perf_counter() - t0, time.process_time() - c0
 
 
-def _prefill_sample(step: Any, wall: float, cpu: float, batch: int, clock: str) -> LatencySample:
+def _prefill_sample(step: StepStats, wall: float, cpu: float, batch: int, clock: str) -> LatencySample:
     share = min(cpu / max(wall, 1e-9), 1.0)
     return LatencySample(
         phase="prefill",
@@ -683,7 +536,7 @@ def _prefill_sample(step: Any, wall: float, cpu: float, batch: int, clock: str) 
     )
 
 
-def measure_latency(pair: Any, settings: CalibrationSettings, progress: bool = False) -> list[LatencySample]:
+def measure_latency(pair: ModelPair, settings: CalibrationSettings, progress: bool = False) -> list[LatencySample]:
     """Time decode steps per (k, batch size) and prefills per prompt length."""
     div = settings.profile_div
     prompt_len = min(settings.timing_prompt_tokens, pair.max_context // 2)
@@ -740,7 +593,7 @@ def measure_latency(pair: Any, settings: CalibrationSettings, progress: bool = F
     return samples
 
 
-def _warm_up(pair: Any, settings: CalibrationSettings, prompt: list[int]) -> None:
+def _warm_up(pair: ModelPair, settings: CalibrationSettings, prompt: list[int]) -> None:
     """One short batched run so first-call allocations do not land in the first timed point."""
     batch = max(settings.batch_sizes)
     k = max(settings.ks)
@@ -763,7 +616,7 @@ def _load_average() -> tuple[float, float, float] | None:
     return (round(one, 2), round(five, 2), round(fifteen, 2))
 
 
-def _describe_dtypes(pair: Any) -> str:
+def _describe_dtypes(pair: ModelPair) -> str:
     import torch
 
     from decoder.models import is_int8_dynamic
@@ -777,15 +630,25 @@ def _describe_dtypes(pair: Any) -> str:
     return f"target {describe(pair.target)} / draft {describe(pair.draft)}"
 
 
-def reusable_acceptance(source: Profile, pair_name: str, settings: CalibrationSettings) -> tuple[
+@dataclass(frozen=True)
+class EarlierCalibration:
+    """What acceptance reuse reads of an earlier calibrated profile (``sim.profile.Profile`` fields)."""
+
+    source: str  # provenance.source: "calibrated" for a profile made by fsd calibrate
+    pair: str  # provenance.pair: "<name>: <description>"
+    date: str  # provenance.date
+    calibration: dict[str, Any] | None  # the profile's raw calibration record
+
+
+def reusable_acceptance(source: EarlierCalibration, pair_name: str, settings: CalibrationSettings) -> tuple[
     list[AcceptanceSample], CalibrationSettings
 ]:
     """The raw acceptance samples of an earlier calibrated profile of the same pair and sampling
     settings (acceptance does not depend on the machine), and ``settings`` updated to describe them."""
-    if source.provenance.source != "calibrated" or source.calibration is None:
+    if source.source != "calibrated" or source.calibration is None:
         raise ValueError("--acceptance-from: the profile has no calibration record (not made by fsd calibrate)")
-    if not source.provenance.pair.startswith(f"{pair_name}:") and source.provenance.pair != pair_name:
-        raise ValueError(f"--acceptance-from: the profile is for pair {source.provenance.pair!r}, not {pair_name!r}")
+    if not source.pair.startswith(f"{pair_name}:") and source.pair != pair_name:
+        raise ValueError(f"--acceptance-from: the profile is for pair {source.pair!r}, not {pair_name!r}")
     record = CalibrationRecord.model_validate(source.calibration)
     old = record.settings
     for name in ("temperature", "rule"):
@@ -801,16 +664,52 @@ def reusable_acceptance(source: Profile, pair_name: str, settings: CalibrationSe
     return record.acceptance, CalibrationSettings.from_dict(data)
 
 
-def calibrate(
-    pair: Any,
+@dataclass(frozen=True)
+class Measurement:
+    """A whole calibration run: the raw record and what it was measured on. ``sim.profile_fit.fit_profile``
+    turns it into the simulator's Profile (this module never imports sim/)."""
+
+    record: CalibrationRecord  # fit is None: fitting is sim's
+    pair: str  # "<name>: <description>"
+    dtype: str
+    machine: str
+    torch_version: str
+    transformers_version: str
+    date: str
+    setup_notes: str  # what was swept, how hard
+    run_notes: str  # how long it took, clock, reuse
+
+    @property
+    def default_div(self) -> str:
+        return self.record.settings.profile_div
+
+    @property
+    def default_k(self) -> int:
+        return self.record.settings.profile_k
+
+    @property
+    def acceptance(self) -> list[AcceptanceSample]:
+        return self.record.acceptance
+
+    @property
+    def latency(self) -> list[LatencySample]:
+        return self.record.latency
+
+    def record_json(self) -> dict[str, Any]:
+        """The raw record as JSON-ready data (``Profile.calibration``, before the fit quality is added)."""
+        data: dict[str, Any] = self.record.model_dump(mode="json")
+        return data
+
+
+def measure(
+    pair: ModelPair,
     settings: CalibrationSettings,
     *,
-    command: str = "",
     progress: bool = False,
     log: Callable[[str], None] | None = None,
-    acceptance_from: Profile | None = None,
-) -> Profile:
-    """Measure ``pair`` (a :class:`decoder.models.ModelPair`) and return a validated Profile.
+    acceptance_from: EarlierCalibration | None = None,
+) -> Measurement:
+    """Measure ``pair`` with the engine: the acceptance sweep, then the latency sweep.
 
     With ``acceptance_from`` (an earlier calibrated profile of the same pair), its acceptance data is
     reused and only the latency is measured.
@@ -823,15 +722,13 @@ def calibrate(
     reused = ""
     if acceptance_from is not None:
         acceptance, settings = reusable_acceptance(acceptance_from, pair.name, settings)
-        reused = f" Acceptance data reused from a profile measured {acceptance_from.provenance.date}."
+        reused = f" Acceptance data reused from a profile measured {acceptance_from.date}."
     else:
         acceptance = measure_acceptance(pair, settings, progress=progress)
         if log:
             log(f"acceptance sweep done in {time.perf_counter() - started:.0f} s")
     latency = measure_latency(pair, settings, progress=progress)
     load_end = _load_average()
-    fit = fit_latency(latency)
-    points = fit_acceptance(acceptance)
     wall = time.perf_counter() - started
     threads = torch.get_num_threads()
     record = CalibrationRecord(
@@ -842,66 +739,32 @@ def calibrate(
         wall_s=round(wall, 1),
         acceptance=acceptance,
         latency=latency,
-        fit=fit.quality,
     )
     machine = (
         f"{platform.platform()}; {platform.machine()}; {os.cpu_count()} CPUs; torch threads {threads}; "
         f"load average (1/5/15 min) at start {load_start}, at end {load_end}"
     )
-    notes = (
+    setup_notes = (
         f"Measured with `fsd calibrate` through FSDEngine.step(): acceptance at temperature "
         f"{settings.temperature}, rule {settings.rule}, batch {settings.acceptance_batch_size}, "
         f"{settings.prompts} prompts x {settings.max_new_tokens} tokens per grid point, k "
         f"{list(settings.swept_acceptance_ks)}; latency at batch sizes "
         f"{list(settings.batch_sizes)}, k {list(settings.ks)}, {settings.timing_iterations} timed steps each, "
-        f"{settings.timing_prompt_tokens}-token prompts. Acceptance/distortion are isotonic (in T) fits of "
-        f"the raw counts; verify_* include the step's bookkeeping overhead. Raw data: `calibration`. "
+        f"{settings.timing_prompt_tokens}-token prompts."
+    )
+    run_notes = (
         f"Took {wall:.0f} s. Timings depend on machine load (see machine); clock {settings.clock!r} "
         f"({'step times scaled by the process CPU share: an idle-machine estimate' if settings.clock == 'cpu' else 'wall time'})."
         f"{reused}"
     )
-    try:
-        return Profile(
-            provenance=Provenance(
-                pair=f"{pair.name}: {pair.description}" if getattr(pair, "description", "") else str(pair.name),
-                dtype=_describe_dtypes(pair),
-                machine=machine,
-                torch_version=torch.__version__,
-                transformers_version=transformers.__version__,
-                date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-                source="calibrated",
-                notes=notes,
-                command=command,
-            ),
-            default_div=settings.profile_div,
-            default_k=settings.profile_k,
-            acceptance=points,
-            latency=fit.model,
-            calibration=record.model_dump(mode="json"),
-        )
-    except ValidationError as exc:  # a bug here, not bad input: say what broke
-        raise ValueError(f"calibration produced an invalid profile: {exc}") from exc
-
-
-def headline(profile: Profile) -> dict[str, Any]:
-    """The numbers worth printing: acceptance and tokens/iteration per T at the default (div, k), and
-    iteration time per batch size."""
-    div, k = profile.default_div, profile.default_k
-    lat = profile.latency
-    return {
-        "pair": profile.provenance.pair,
-        "div": div,
-        "k": k,
-        "per_threshold": [
-            {
-                "T": float(t),
-                "acceptance_rate": round(profile.expected_acceptance_rate(div, float(t), k), 4),
-                "tokens_per_iteration": round(profile.expected_tokens_per_iter(div, float(t), k), 3),
-                "mean_distortion": round(profile.mean_distortion(div, float(t), k), 4),
-            }
-            for t in profile.thresholds(div, k)
-        ],
-        "iteration_ms": {str(b): round(float(lat.iteration_ms(b, k)), 1) for b in (1, 2, 4, 8)},
-        "prefill_ms_per_token": round(lat.prefill_ms_per_token, 3),
-        "prefill_fixed_ms": round(lat.prefill_fixed_ms, 2),
-    }
+    return Measurement(
+        record=record,
+        pair=f"{pair.name}: {pair.description}" if getattr(pair, "description", "") else str(pair.name),
+        dtype=_describe_dtypes(pair),
+        machine=machine,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        setup_notes=setup_notes,
+        run_notes=run_notes,
+    )

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_WORKLOAD = Path(__file__).resolve().parents[1] / "sim" / "workloads" / "steady.yaml"
 DEFAULT_COMPARE = "static:0,static:0.5,static:1.0,slo,pid,bandit,feedforward"
 
 
@@ -53,56 +52,9 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=handle)
 
 
-def _load_mapping(path: Path, what: str) -> dict[str, Any]:
-    import yaml
-
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ValueError(f"{what} file {str(path)!r} does not exist") from None
-    try:
-        data = yaml.safe_load(text)  # YAML is a superset of JSON
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{what} file {str(path)!r} is not valid YAML/JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} file {str(path)!r} must hold a mapping")
-    return data
-
-
-def load_slo(path: str | None) -> Any:
-    from pydantic import ValidationError
-
-    from policies.slo import SLOSpec
-
-    if path is None:
-        return SLOSpec.default()
-    try:
-        return SLOSpec.model_validate(_load_mapping(Path(path), "slo"))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-        raise ValueError(f"slo {path!r}: {loc}: {err['msg']}") from None
-
-
-def policy_spec(text: str) -> Any:
-    """A policy name/JSON string, or the mapping in a YAML/JSON file when ``text`` names one."""
-    candidate = Path(text)
-    if candidate.suffix in (".yaml", ".yml", ".json") or candidate.is_file():
-        return _load_mapping(candidate, "policy")
-    return text
-
-
-def build_policy(text: str, slo: Any, profile: Any, k: int | None = None) -> Any:
-    from policies.registry import make_policy
-
-    return make_policy(
-        policy_spec(text), slo,
-        speed_curve=profile.to_speed_curve(k=k), latency_model=profile.to_latency_model(k=k),
-    )
-
-
 def build_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(workload, slo, profile, sim config) from the CLI flags."""
+    from sim.inputs import DEFAULT_WORKLOAD, load_mapping, load_slo, trace_workload
     from sim.profile import Profile
     from sim.simulator import SimConfig
     from sim.workload import Workload
@@ -110,24 +62,14 @@ def build_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     profile = Profile.load(args.profile) if args.profile else Profile.default()
     slo = load_slo(args.slo)
     if args.trace:
-        workload = Workload.from_dict(
-            {
-                "name": Path(args.trace).stem,
-                "duration_s": args.duration,
-                "arrivals": {"kind": "trace", "path": args.trace, "time_scale": args.time_scale,
-                             "sample_fraction": args.sample},
-                "prompt_tokens": {"kind": "trace"},
-                "output_tokens": {"kind": "trace"},
-                "max_context": args.max_context,
-            },
-            source="--trace",
-        )
+        workload = trace_workload(args.trace, time_scale=args.time_scale, sample_fraction=args.sample,
+                                  max_context=args.max_context, duration_s=args.duration)
     else:
         workload = Workload.load(args.workload or DEFAULT_WORKLOAD)
         if args.duration is not None:
             workload = Workload.from_dict({**workload.model_dump(), "duration_s": args.duration},
                                           source="--duration")
-    cluster: dict[str, Any] = _load_mapping(Path(args.cluster), "cluster") if args.cluster else {}
+    cluster: dict[str, Any] = load_mapping(Path(args.cluster), "cluster") if args.cluster else {}
     cluster["seed"] = args.seed
     if args.replicas is not None:
         cluster["replicas"] = args.replicas
@@ -137,27 +79,13 @@ def build_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return workload, slo, profile, config
 
 
-def unreachable_tpot_targets(slo: Any, profile: Any, div: str, k: int) -> list[str]:
-    """Tiers whose p95 TPOT target is below the profile's best case (one sequence, no queue, the tier's
-    highest T): no policy can meet them, which an operator should hear before reading attainment."""
-    out = []
-    for name, tier in slo.tiers.items():
-        if tier.tpot_ms is None:
-            continue
-        ceiling = tier.fixed_threshold if tier.fixed_threshold is not None else tier.max_threshold
-        best = profile.tpot_ms(div, ceiling, k, batch=1)
-        if best > tier.tpot_ms:
-            out.append(f"tier {name!r}: p95 TPOT target {tier.tpot_ms:g} ms is below this profile's best case "
-                       f"({best:.0f} ms per token at batch 1, T = {ceiling:g}); no policy can meet it "
-                       f"({profile.provenance.pair}; --profile or --slo to change)")
-    return out
-
-
 def _progress_wanted(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
 def handle(args: argparse.Namespace) -> int:
+    from sim.compare import markdown_table, summary_row
+    from sim.inputs import build_policy, unreachable_tpot_targets
     from sim.report import plot, plot_compare, result_json, write_json, write_records
     from sim.simulator import Simulator
 
@@ -210,31 +138,3 @@ def handle(args: argparse.Namespace) -> int:
         plot_compare(rows, args.plot, title=title)
     return 0
 
-
-def summary_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "policy": name,
-        "slo_attainment": s["slo_attainment"],
-        "goodput_rps": s["goodput_rps"],
-        "tpot_p95_ms": s["tpot_ms"]["p95"],
-        "ttft_p95_ms": s["ttft_ms"]["p95"],
-        "mean_distortion": s["mean_distortion"],
-        "replica_seconds": s["replica_seconds"],
-        "cost_per_1k_tokens_rs": s["cost_per_1k_tokens"]["replica_seconds"],
-        "completed": s["completed"],
-        "rejected": s["rejected"],
-    }
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    cols = ["policy", "slo_attainment", "goodput_rps", "tpot_p95_ms", "ttft_p95_ms", "mean_distortion",
-            "replica_seconds", "cost_per_1k_tokens_rs", "completed", "rejected"]
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "-" if v is None else str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)

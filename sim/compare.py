@@ -1,0 +1,39 @@
+"""Comparing policies on one workload: one summary row per run and a markdown table of them.
+
+Used by ``fsd sim compare`` and ``benchmarks/policy_compare.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The columns of a comparison row, in table order.
+COLUMNS = ("policy", "slo_attainment", "goodput_rps", "tpot_p95_ms", "ttft_p95_ms", "mean_distortion",
+           "replica_seconds", "cost_per_1k_tokens_rs", "completed", "rejected")
+
+
+def summary_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
+    """The comparison row of one run, from its ``SimResult.summary``."""
+    return {
+        "policy": name,
+        "slo_attainment": s["slo_attainment"],
+        "goodput_rps": s["goodput_rps"],
+        "tpot_p95_ms": s["tpot_ms"]["p95"],
+        "ttft_p95_ms": s["ttft_ms"]["p95"],
+        "mean_distortion": s["mean_distortion"],
+        "replica_seconds": s["replica_seconds"],
+        "cost_per_1k_tokens_rs": s["cost_per_1k_tokens"]["replica_seconds"],
+        "completed": s["completed"],
+        "rejected": s["rejected"],
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)

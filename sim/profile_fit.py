@@ -1,0 +1,318 @@
+"""Fitting a simulator :class:`~sim.profile.Profile` to what a calibration measured (pure numpy/scipy).
+
+``decoder/calibration.py`` drives the real engine and returns raw counts and timings (a
+``decoder.calibration.Measurement``); :func:`fit_profile` turns them into a validated Profile. This module
+never imports the decoder: it reads the measurement through the small protocols below, so the simulator
+stays torch-free. What is fitted and why:
+
+- *Acceptance per position*: the raw estimate ``accepts / trials`` per draft position (censoring is
+  handled when counting, in the decoder module), made monotone in T by weighted isotonic regression with
+  weights = trials — for binomial data the maximum-likelihood estimate under the monotonicity constraint.
+- *Distortion*: mean TV distortion per emitted token, 0 at T = 0 by construction, isotonic in T with
+  weights = tokens; likewise the fraction of emitted tokens that carry distortion.
+- *Latency*: non-negative least squares of the profile's own model,
+  draft ``= k · (draft_a + draft_b · B)``, verify + overhead ``= verify_a + verify_b · B + verify_c · k · B``,
+  prefill ``= prefill_fixed + prefill_per_token · prompt tokens``; fit quality kept as ``FitQuality``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import ArrayLike
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sim.profile import AcceptancePoint, LatencyModel, Profile, Provenance
+
+# ---------------------------------------------------------------------------------------------------
+# What a measurement provides (decoder.calibration's types satisfy these; no import of the decoder)
+# ---------------------------------------------------------------------------------------------------
+
+
+class AcceptanceCounts(Protocol):
+    """Raw counts at one (div, k, T) grid point (``decoder.calibration.AcceptanceSample``)."""
+
+    @property
+    def div(self) -> str: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def threshold(self) -> float: ...
+    @property
+    def position_trials(self) -> list[int]: ...
+    @property
+    def position_accepts(self) -> list[int]: ...
+    @property
+    def emitted_tokens(self) -> int: ...
+    @property
+    def mean_distortion(self) -> float: ...
+    @property
+    def distorted_tokens(self) -> int | None: ...
+
+
+class LatencyPoint(Protocol):
+    """Mean step times at one (phase, k, batch) point (``decoder.calibration.LatencySample``)."""
+
+    @property
+    def phase(self) -> str: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def tokens(self) -> float: ...
+    @property
+    def draft_ms(self) -> float: ...
+    @property
+    def verify_ms(self) -> float: ...
+    @property
+    def overhead_ms(self) -> float: ...
+    @property
+    def prefill_ms(self) -> float: ...
+
+
+class CalibrationMeasurement(Protocol):
+    """A whole calibration run (``decoder.calibration.Measurement``)."""
+
+    @property
+    def pair(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def machine(self) -> str: ...
+    @property
+    def torch_version(self) -> str: ...
+    @property
+    def transformers_version(self) -> str: ...
+    @property
+    def date(self) -> str: ...
+    @property
+    def default_div(self) -> str: ...
+    @property
+    def default_k(self) -> int: ...
+    @property
+    def acceptance(self) -> Sequence[AcceptanceCounts]: ...
+    @property
+    def latency(self) -> Sequence[LatencyPoint]: ...
+    @property
+    def setup_notes(self) -> str: ...
+    @property
+    def run_notes(self) -> str: ...
+    def record_json(self) -> dict[str, Any]: ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fitting
+# ---------------------------------------------------------------------------------------------------
+
+
+class FitQuality(BaseModel):
+    """How well each latency fit reproduces its points (relative error of the mean, per point)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_max_rel_error: float
+    verify_max_rel_error: float
+    iteration_max_rel_error: float
+    prefill_max_rel_error: float
+
+
+def isotonic_increasing(values: ArrayLike, weights: ArrayLike) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators).
+
+    Points with zero weight carry no information: they take the fitted value of the nearest weighted
+    point before them (or after, for leading ones).
+    """
+    from scipy.optimize import isotonic_regression
+
+    y = np.asarray(values, dtype=float)
+    w = np.asarray(weights, dtype=float)
+    if y.shape != w.shape or y.ndim != 1:
+        raise ValueError(f"values and weights must be equal-length 1-D, got {y.shape} and {w.shape}")
+    informative = w > 0
+    if not informative.any():
+        raise ValueError("isotonic fit needs at least one point with positive weight")
+    fitted = np.empty_like(y)
+    idx = np.flatnonzero(informative)
+    fitted[idx] = isotonic_regression(y[idx], weights=w[idx], increasing=True).x
+    for i in range(y.size):  # fill uninformative points from the left neighbour (keeps monotone)
+        if not informative[i]:
+            left = idx[idx < i]
+            fitted[i] = fitted[left[-1]] if left.size else fitted[idx[0]]
+    return fitted
+
+
+def fit_acceptance(samples: Iterable[AcceptanceCounts]) -> list[AcceptancePoint]:
+    """Profile acceptance points from raw samples: per (div, k), monotone in T (see module docstring)."""
+    groups: dict[tuple[str, int], list[AcceptanceCounts]] = {}
+    for s in samples:
+        groups.setdefault((s.div, s.k), []).append(s)
+    points: list[AcceptancePoint] = []
+    for (div, k), group in sorted(groups.items()):
+        group.sort(key=lambda s: s.threshold)
+        if group[0].threshold != 0.0:
+            raise ValueError(f"acceptance samples for div={div!r} k={k} have no T = 0 point")
+        n_t = len(group)
+        trials = np.array([s.position_trials for s in group], dtype=float)  # [n_t, k]
+        accepts = np.array([s.position_accepts for s in group], dtype=float)
+        if trials[:, 0].sum() == 0:
+            raise ValueError(f"no uncensored iterations measured for div={div!r} k={k}; raise max_new_tokens")
+        raw = np.divide(accepts, trials, out=np.full_like(accepts, np.nan), where=trials > 0)
+        fitted = np.empty((n_t, k))
+        for i in range(k):
+            if trials[:, i].sum() > 0:
+                fitted[:, i] = isotonic_increasing(np.nan_to_num(raw[:, i]), trials[:, i])
+            else:  # never reached at any T: the best guess is the previous position's value
+                fitted[:, i] = fitted[:, i - 1]
+        tokens = np.array([s.emitted_tokens for s in group], dtype=float)
+        distortion = np.array([s.mean_distortion for s in group])
+        distortion[0] = 0.0  # T = 0 never takes the fuzzy branch (exact by construction)
+        if tokens[1:].sum() > 0:
+            distortion[1:] = isotonic_increasing(distortion[1:], tokens[1:])
+        distortion = np.maximum(distortion, 0.0)
+        # Fraction of emitted tokens that carry distortion: with the mean it lets the simulator draw
+        # distortion as events, with the per-window noise a quality guard reacts to.
+        distorted = None
+        if all(s.distorted_tokens is not None for s in group):
+            distorted = np.array([(s.distorted_tokens or 0) / s.emitted_tokens if s.emitted_tokens else 0.0
+                                  for s in group])
+            distorted[0] = 0.0
+            if tokens[1:].sum() > 0:
+                distorted[1:] = isotonic_increasing(distorted[1:], tokens[1:])
+            distorted = np.clip(distorted, 0.0, 1.0)
+        for j, s in enumerate(group):
+            points.append(
+                AcceptancePoint(
+                    div=div,
+                    k=k,
+                    threshold=s.threshold,
+                    position_accept=[float(np.clip(x, 0.0, 1.0)) for x in fitted[j]],
+                    mean_distortion=float(distortion[j]),
+                    distorted_per_token=None if distorted is None else float(distorted[j]),
+                )
+            )
+    return points
+
+
+@dataclass(frozen=True)
+class LatencyFit:
+    model: LatencyModel
+    quality: FitQuality
+
+
+def _nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    from scipy.optimize import nnls
+
+    coef, _ = nnls(design, target)
+    return np.asarray(coef)
+
+
+def _max_rel_error(predicted: np.ndarray, measured: np.ndarray) -> float:
+    if predicted.size == 0:
+        return 0.0
+    return float(np.max(np.abs(predicted - measured) / np.maximum(np.abs(measured), 1e-9)))
+
+
+def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
+    """Non-negative least-squares fit of the profile's latency model to the measured points."""
+    decode = [s for s in samples if s.phase == "decode"]
+    prefill = [s for s in samples if s.phase == "prefill"]
+    if not decode:
+        raise ValueError("no decode timing samples to fit")
+    if not prefill:
+        raise ValueError("no prefill timing samples to fit")
+    k = np.array([s.k for s in decode], dtype=float)
+    b = np.array([s.batch for s in decode], dtype=float)
+    draft = np.array([s.draft_ms for s in decode])
+    verify = np.array([s.verify_ms + s.overhead_ms for s in decode])
+    draft_design = np.stack([k, k * b], axis=1)
+    verify_design = np.stack([np.ones_like(b), b, k * b], axis=1)
+    draft_a, draft_b = _nnls(draft_design, draft)
+    verify_a, verify_b, verify_c = _nnls(verify_design, verify)
+
+    tok = np.array([s.tokens for s in prefill], dtype=float)
+    pre = np.array([s.prefill_ms for s in prefill])
+    prefill_fixed, prefill_per_token = _nnls(np.stack([np.ones_like(tok), tok], axis=1), pre)
+
+    model = LatencyModel(
+        draft_a_ms=float(draft_a),
+        draft_b_ms=float(draft_b),
+        verify_a_ms=float(verify_a),
+        verify_b_ms=float(verify_b),
+        verify_c_ms=float(verify_c),
+        prefill_ms_per_token=float(prefill_per_token),
+        prefill_fixed_ms=float(prefill_fixed),
+    )
+    draft_pred = draft_design @ np.array([draft_a, draft_b])
+    verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])
+    iteration_pred = np.array([float(model.iteration_ms(int(s.batch), int(s.k))) for s in decode])
+    prefill_pred = prefill_fixed + tok * prefill_per_token
+    quality = FitQuality(
+        draft_max_rel_error=_max_rel_error(draft_pred, draft),
+        verify_max_rel_error=_max_rel_error(verify_pred, verify),
+        iteration_max_rel_error=_max_rel_error(iteration_pred, draft + verify),
+        prefill_max_rel_error=_max_rel_error(prefill_pred, pre),
+    )
+    return LatencyFit(model, quality)
+
+
+def fit_profile(measurement: CalibrationMeasurement, command: str = "") -> Profile:
+    """The validated Profile of a calibration: acceptance and latency fitted, the raw data kept in
+    ``Profile.calibration`` (the measurement's record plus the fit quality)."""
+    fit = fit_latency(measurement.latency)
+    points = fit_acceptance(measurement.acceptance)
+    notes = (
+        f"{measurement.setup_notes} Acceptance/distortion are isotonic (in T) fits of "
+        f"the raw counts; verify_* include the step's bookkeeping overhead. Raw data: `calibration`. "
+        f"{measurement.run_notes}"
+    )
+    calibration = measurement.record_json()
+    calibration["fit"] = fit.quality.model_dump(mode="json")
+    try:
+        return Profile(
+            provenance=Provenance(
+                pair=measurement.pair,
+                dtype=measurement.dtype,
+                machine=measurement.machine,
+                torch_version=measurement.torch_version,
+                transformers_version=measurement.transformers_version,
+                date=measurement.date,
+                source="calibrated",
+                notes=notes,
+                command=command,
+            ),
+            default_div=measurement.default_div,
+            default_k=measurement.default_k,
+            acceptance=points,
+            latency=fit.model,
+            calibration=calibration,
+        )
+    except ValidationError as exc:  # a bug here, not bad input: say what broke
+        raise ValueError(f"calibration produced an invalid profile: {exc}") from exc
+
+
+def headline(profile: Profile) -> dict[str, Any]:
+    """The numbers worth printing: acceptance and tokens/iteration per T at the default (div, k), and
+    iteration time per batch size."""
+    div, k = profile.default_div, profile.default_k
+    lat = profile.latency
+    return {
+        "pair": profile.provenance.pair,
+        "div": div,
+        "k": k,
+        "per_threshold": [
+            {
+                "T": float(t),
+                "acceptance_rate": round(profile.expected_acceptance_rate(div, float(t), k), 4),
+                "tokens_per_iteration": round(profile.expected_tokens_per_iter(div, float(t), k), 3),
+                "mean_distortion": round(profile.mean_distortion(div, float(t), k), 4),
+            }
+            for t in profile.thresholds(div, k)
+        ],
+        "iteration_ms": {str(b): round(float(lat.iteration_ms(b, k)), 1) for b in (1, 2, 4, 8)},
+        "prefill_ms_per_token": round(lat.prefill_ms_per_token, 3),
+        "prefill_fixed_ms": round(lat.prefill_fixed_ms, 2),
+    }

@@ -12,8 +12,9 @@ What each status records:
 - ``error``: the engine failed the request; GeneratedTokens is the count emitted before the failure
   (a lower bound: engine steps that produced text).
 - ``cut``: started, then the request timed out, lost its replica or its client; same lower bound.
-- ``rejected``: refused for overload (503) or not started before the deadline (504) — before a replica
-  tokenized it, so ContextTokens and GeneratedTokens are unknown and written as 0.
+- ``rejected``: refused for overload or for want of a replica (503), or not started before the deadline
+  (504) — before a replica tokenized it, so ContextTokens and GeneratedTokens are unknown and written
+  as 0. Another server failure before the start (5xx) is an ``error`` row with 0 tokens.
 
 Requests refused as invalid (4xx) are not recorded: every policy would refuse them alike.
 
@@ -196,13 +197,17 @@ class RequestRecording:
             self.status = "length" if chunk.get("finish_reason") == "length" else "stop"
 
     def refused(self, http_status: int) -> None:
-        """The request never started: overload (503) and start deadline (504) are recorded as
-        ``rejected``; anything else (an invalid request) is not recorded."""
+        """The request never started: overload or no replica (503) and the start deadline (504) are
+        recorded as ``rejected``, another server failure (5xx) as ``error``; an invalid request (4xx)
+        is not recorded."""
         if http_status in (503, 504):
             self.status = "rejected"
-            self.close()
+        elif http_status >= 500:
+            self.status = "error"
         else:
             self._written = True
+            return
+        self.close()
 
     def close(self) -> None:
         if self._written:

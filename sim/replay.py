@@ -8,7 +8,8 @@ gets a per-tier verdict against the SLO: attainment at least the tier's percenti
 within the tier's budget.
 
 Rows the recording could not measure are filled in and reported in the notes: a ``rejected`` row (refused
-for overload before tokenization) gets the median prompt and output length of its tier's finished rows;
+before a replica tokenized it; likewise an ``error`` row with 0 prompt tokens) gets the median prompt and
+output length of its tier's finished rows;
 a ``cut`` or ``error`` row keeps the tokens it produced before it ended (a lower bound), at least one.
 """
 
@@ -41,7 +42,8 @@ def requests_from_trace(trace: Trace, slo: SLOSpec) -> Requests:
              f"recorded (arrivals, token counts, tiers)"]
     if trace.status is not None:
         status = np.asarray(trace.status)
-        rejected = status == "rejected"
+        # Never reached a replica: refused for overload, or failed before the start (0 prompt tokens).
+        rejected = (status == "rejected") | ((status == "error") & (trace.prompt_tokens == 0))
         finished = (status == "stop") | (status == "length")
         if rejected.any():
             for i in range(len(tier_names)):
@@ -53,9 +55,9 @@ def requests_from_trace(trace: Trace, slo: SLOSpec) -> Requests:
                     known = finished
                 prompt[sel] = int(np.median(trace.prompt_tokens[known])) if known.any() else 1
                 output[sel] = int(np.median(trace.output_tokens[known])) if known.any() else 1
-            notes.append(f"{int(rejected.sum())} requests rejected live (overload; lengths unknown) given their "
-                         f"tier's median recorded lengths")
-        short = int(((status == "cut") | (status == "error")).sum())
+            notes.append(f"{int(rejected.sum())} requests rejected live (before a replica; lengths unknown) given "
+                         f"their tier's median recorded lengths")
+        short = int((((status == "cut") | (status == "error")) & ~rejected).sum())
         if short:
             notes.append(f"{short} requests cut or failed live replay the tokens they produced (a lower bound)")
     zero = int((output < 1).sum())

@@ -82,15 +82,17 @@ def test_request_recording_statuses_and_no_text(tmp_path: Path) -> None:
     cut.close()  # the client went away before the end chunk
     RequestRecording.for_payload(rec, payload, cfg).refused(503)
     RequestRecording.for_payload(rec, payload, cfg).refused(422)  # invalid: not traffic, not recorded
+    RequestRecording.for_payload(rec, payload, cfg).refused(500)
     rec.close()
     text = (tmp_path / "r.csv").read_text()
     assert secret not in text and "x" not in text.split("\n", 1)[1]
     t = read_azure_trace(tmp_path / "r.csv")
-    assert t.status == ("length", "cut", "rejected")
-    assert list(t.prompt_tokens) == [7, 9, 0]
-    assert list(t.output_tokens) == [128, 2, 0]
-    assert list(t.max_tokens) == [cfg.replica.default_max_new_tokens, 50, cfg.replica.default_max_new_tokens]
-    assert t.tier == ("standard", "economy", "standard")
+    assert t.status == ("length", "cut", "rejected", "error")
+    assert list(t.prompt_tokens) == [7, 9, 0, 0]
+    assert list(t.output_tokens) == [128, 2, 0, 0]
+    default = cfg.replica.default_max_new_tokens
+    assert list(t.max_tokens) == [default, 50, default, default]
+    assert t.tier == ("standard", "economy", "standard", "standard")
 
 
 def test_recording_config_is_off_by_default_and_validated(tmp_path: Path) -> None:

@@ -146,3 +146,55 @@ def test_fsd_sim_replay_refuses_resampling_flags(tmp_path: Path, capsys) -> None
     rc = main(["sim", "compare", "--trace", "x.csv", "--config", "y.yaml", "--sample", "0.5"])
     assert rc == 2
     assert "--config replays the recording exactly" in capsys.readouterr().err
+
+
+def test_sim_inputs_map_the_fleet_and_autoscaling() -> None:
+    from controller.rollout import sim_inputs
+
+    cfg = parse_config({"model": {"max_batch_size": 4, "num_draft_tokens": 3, "div": "kl"},
+                        "replica": {"max_queued": 20}, "serve": {"num_replicas": 3},
+                        "control": {"interval_s": 0.5, "policy": "static:0.5"}})
+    inputs = sim_inputs(cfg, seed=7)
+    c = inputs.config
+    assert (c.replicas, c.max_batch, c.max_queue, c.k, c.control_interval_s, c.seed) == (3, 4, 16, 3, 0.5, 7)
+    assert inputs.live_policy == "static:0.5" and c.autoscaler is None
+    auto = parse_config({"serve": {"autoscaling_config": {"min_replicas": 2, "max_replicas": 5,
+                                                          "target_ongoing_requests": 6, "look_back_period_s": 3}}})
+    inputs = sim_inputs(auto)
+    assert inputs.config.replicas == 2 and inputs.config.autoscaler is not None
+    assert inputs.config.autoscaler.max_replicas == 5
+    assert any("look_back_period_s" in n for n in inputs.notes)
+    assert sim_inputs(auto, replicas=4).config.replicas == 4  # an explicit count replaces autoscaling
+
+
+def test_shadow_estimate_per_tier_cached_and_never_raising(tmp_path: Path) -> None:
+    import asyncio
+    import time
+
+    from controller.rollout import ShadowEstimator, live_policy_spec
+
+    cfg = parse_config({"control": {"policy": {"policy": "static", "thresholds": 0.0, "guards": False}},
+                        "recording": {"enabled": True, "path": str(tmp_path / "r.csv"), "shadow_every_s": 60}})
+    rec = TrafficRecorder.from_config(cfg.recording)
+    assert rec is not None
+    now = time.time()
+    for i in range(20):
+        rec.record(TrafficRecord(now - 30 + i, 50, 40, ["standard", "economy"][i % 2], 64, "stop"))
+    rec.record(TrafficRecord(now - 10_000, 50, 40, "standard", 64, "stop"))  # outside the window
+    shadow_spec = {"policy": "static", "thresholds": {"standard": 1.0, "economy": 4.0}, "guards": False}
+    status = {"slo": cfg.slo.model_dump(mode="json"), "thresholds": {"standard": 0.0, "economy": 0.0, "lossless": 0.0},
+              "policy": {"spec": live_policy_spec(cfg)}, "shadow_policy": {"spec": shadow_spec},
+              "last_shadow_decision": {"thresholds": {"standard": 1.0, "economy": 4.0}}, "replicas": [{}]}
+    est = ShadowEstimator(cfg, rec)
+    report = asyncio.run(est.estimate(status))
+    assert report is not None and report["requests"] == 20
+    eco = report["tiers"]["economy"]
+    assert eco["shadow_would_set"] == 4.0 and eco["live_threshold"] == 0.0
+    assert eco["live"]["mean_distortion"] == 0.0 < eco["shadow"]["mean_distortion"]
+    assert eco["shadow"]["sim_mean_threshold"] == pytest.approx(4.0)
+    assert asyncio.run(est.estimate(status)) is report  # cached within shadow_every_s
+    assert asyncio.run(est.estimate({**status, "shadow_policy": None})) is None
+    broken = {**status, "shadow_policy": {"spec": {"policy": "nonesuch"}}}
+    assert "no estimate" in asyncio.run(est.estimate(broken))["error"]
+    assert "recording is off" in asyncio.run(ShadowEstimator(cfg, None).estimate(status))["error"]
+    rec.close()

@@ -14,6 +14,11 @@ configuration). Smoke run (tiny random pair, ~1 minute)::
 Real figures (default pair; minutes)::
 
     .venv/bin/python benchmarks/load.py --pair smollm2-135m --phase-s 60 --rates 0.5,3
+
+Drive a service that already runs (``fsd serve``; e.g. to record its traffic, docs/rollout.md) with
+``--url`` (admin token: ``--token`` or ``$FSD_ADMIN_TOKEN``) and ``--configs live`` (keep its policy)::
+
+    .venv/bin/python benchmarks/load.py --url http://127.0.0.1:8000 --configs live --tier economy,standard
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ def arrivals(rates: list[float], phase_s: float, process: str, cv: float, rng: n
 
 async def one_request(client: Any, t_start: float, at: float, i: int, args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t_start + at - time.monotonic()))
+    tier = args.tiers[i % len(args.tiers)]  # --tier a,b: requests cycle through the tiers
     body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "seed": i, "stream": True, "fsd": {"tier": args.tier}}
+            "temperature": args.temperature, "seed": i, "stream": True, "fsd": {"tier": tier}}
     rec: dict[str, Any] = {"i": i, "arrival_s": time.monotonic() - t_start, "status": None}
     return await timed_stream(client, "/v1/chat/completions", body, rec)
 
@@ -76,8 +82,11 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout),
                                  limits=httpx.Limits(max_connections=512)) as client:
         spec = policy_spec(name, args)
-        r = await client.put("/v1/fsd/policy", json=spec, headers=auth)
-        r.raise_for_status()
+        if spec is None:  # 'live': the service's own policy
+            spec = (await client.get("/v1/fsd/status", params={"history": 0})).json()["policy"]["spec"]
+        else:
+            r = await client.put("/v1/fsd/policy", json=spec, headers=auth)
+            r.raise_for_status()
         # Let the policy switch land and the previous configuration's queue drain.
         for _ in range(int(30 / args.interval)):
             st = (await client.get("/v1/fsd/status", params={"history": 0})).json()
@@ -106,14 +115,16 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
     return {"name": name, "spec": spec, "records": list(records), "t_samples": samples}
 
 
-def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    if name == "live":
+        return None
     if name == "static0":
         return {"policy": "static", "thresholds": 0.0, "guards": False}
     if name == "ceiling":
         return {"policy": "static", "thresholds": {args.tier: args.ceiling}, "guards": False}
     if name == "slo":
         return json.loads(args.slo_policy)
-    raise ValueError(f"unknown configuration {name!r}; expected static0, ceiling or slo")
+    raise ValueError(f"unknown configuration {name!r}; expected static0, ceiling, slo or live")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -200,10 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=2000, help="hard bound on requests per configuration")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--tier", default="standard")
+    p.add_argument("--tier", default="standard", help="tier of every request, or a,b,…: requests cycle through "
+                   "them (the report's T and TPOT target are the first one's)")
     p.add_argument("--tpot-ms", type=float, default=None, help="override the tier's p95 TPOT target")
     p.add_argument("--ceiling", type=float, default=None, help="T for the 'ceiling' config (default: tier max)")
-    p.add_argument("--configs", default="static0,ceiling,slo")
+    p.add_argument("--configs", default="static0,ceiling,slo",
+                   help="comma-separated: static0, ceiling, slo, live (keep the service's policy)")
+    p.add_argument("--url", default=None, help="drive this running service instead of starting one")
+    p.add_argument("--token", default=None, help="with --url: admin token (default $FSD_ADMIN_TOKEN)")
     p.add_argument("--slo-policy", default='{"policy": "slo"}', help="JSON policy spec for the 'slo' config (default: the shipped SLO policy)")
     p.add_argument("--interval", type=float, default=None, help="control interval (default 1s, 0.5s tiny)")
     p.add_argument("--replicas", type=int, default=1)
@@ -224,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--rates must be positive numbers, got {args.rates!r}")
     tiny = args.pair == "tiny"
     args.interval = args.interval or (0.5 if tiny else 1.0)
+    args.tiers = [t.strip() for t in args.tier.split(",") if t.strip()]
+    args.tier = args.tiers[0]
     slo: dict[str, Any] = {
         "tiers": {"lossless": {"fixed_threshold": 0.0, "max_threshold": 0.0},
                   "standard": {"tpot_ms": 8.0 if tiny else 60.0, "max_mean_distortion": 0.5 if tiny else 0.15,
@@ -234,11 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.tpot_ms is not None:
         slo["tiers"][args.tier]["tpot_ms"] = args.tpot_ms
-    if args.tier not in slo["tiers"]:
-        raise SystemExit(f"--tier must be one of {sorted(slo['tiers'])}")
+    if args.url:  # a running service: its SLO, its token
+        import httpx
+
+        slo = httpx.get(f"{args.url.rstrip('/')}/v1/fsd/status", params={"history": 0}, timeout=30).json()["slo"]
+    if any(t not in slo["tiers"] for t in args.tiers):
+        raise SystemExit(f"--tier must be among {sorted(slo['tiers'])}")
     args.ceiling = args.ceiling if args.ceiling is not None else slo["tiers"][args.tier]["max_threshold"]
     tpot_target = slo["tiers"][args.tier].get("tpot_ms")
-    token = "load-bench"
+    token = (args.token or os.environ.get("FSD_ADMIN_TOKEN") or "") if args.url else "load-bench"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -254,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     service = Service(cfg, quiet=True)
     try:
-        url = service.start()
+        url = args.url.rstrip("/") if args.url else service.start()
         for name in args.configs.split(","):
             print(f"load: {name}: {len(times)} requests over {duration:.0f}s", file=sys.stderr, flush=True)
             run = asyncio.run(run_config(url, name, times, args, token))
@@ -266,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "load", "pair": args.pair, "tier": args.tier, "rates_rps": rates, "phase_s": args.phase_s,
         "arrival": args.arrival, "cv": args.cv if args.arrival == "gamma" else None, "seed": args.seed,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "interval_s": args.interval,
+        "tiers": args.tiers, "url": args.url,
         "replicas": args.replicas, "slo": slo, "command": " ".join([sys.executable, *sys.argv]),
         "configs": [summarise(r, tpot_target, duration) for r in runs],
         "runs": [{k: r[k] for k in ("name", "records", "t_samples")} for r in runs],

@@ -11,6 +11,8 @@ Routes
     T per tier, last telemetry window, active and shadow policy, replicas, recent history.
 ``PUT /v1/fsd/slo`` (admin), ``PUT /v1/fsd/policy[?shadow=true]`` (admin)
     Replace the SLO / the active or shadow policy; validated before anything changes.
+``POST /v1/fsd/policy/promote`` (admin), ``GET /v1/fsd/recording`` (admin)
+    Make the shadow policy live; the traffic recording as a trace CSV (see docs/rollout.md).
 ``GET /metrics`` (Prometheus text), ``GET /healthz``, ``GET /v1/models``.
 
 Status codes (errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``, the message
@@ -47,6 +49,8 @@ from ray import serve
 
 from controller.config import FSDConfig, format_validation_error, parse_config
 from controller.openai_schema import ChatCompletionRequest, CompletionRequest
+from controller.recording import RequestRecording, TrafficRecorder
+from controller.rollout import ShadowEstimator
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,14 +98,19 @@ class _Stream:
         self.generator = generator
         self.first = first
         self.done = False
+        self.recording: RequestRecording | None = None  # traffic recording: sees every chunk, closed at the end
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         try:
             async for chunk in self.generator:
+                if self.recording is not None:
+                    self.recording.observe(chunk)
                 yield chunk
                 if chunk.get("type") == "end":
                     self.done = True
         finally:
+            if self.recording is not None:
+                self.recording.close()
             if not self.done:
                 self.generator.cancel()
 
@@ -139,6 +148,8 @@ class FSDIngress:
         self._replicas = replicas
         self._controller = controller
         self._admin_token = self._cfg.http.resolved_admin_token()
+        self._recorder = TrafficRecorder.from_config(self._cfg.recording)  # None unless recording.enabled
+        self._shadow_estimator = ShadowEstimator(self._cfg, self._recorder)
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -244,6 +255,7 @@ class FSDIngress:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         started = time.monotonic()
+        recording: RequestRecording | None = None
         try:
             data = await self._json_object(request)
             try:
@@ -256,13 +268,20 @@ class FSDIngress:
             prompt: Any = body.message_dicts() if isinstance(body, ChatCompletionRequest) else body.prompt_text()
             # Plain completions are raw text continuation; chat goes through the chat template.
             payload = self._payload(body, request, prompt, chat=chat)
+            if self._recorder is not None:
+                recording = RequestRecording.for_payload(self._recorder, payload, self._cfg)
             timeout = self._cfg.http.request_timeout_s
             try:
                 stream = await asyncio.wait_for(self._start(payload), timeout)
             except TimeoutError:
                 raise HTTPError(504, f"request did not start within {timeout}s") from None
         except HTTPError as err:
+            if recording is not None:
+                recording.refused(err.status)
             return err.response()
+        if recording is not None:
+            recording.observe(stream.first)
+            stream.recording = recording
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + payload["request_id"],
             "created": int(time.time()),
@@ -386,6 +405,30 @@ class FSDIngress:
     async def status(self, history: int = 50) -> Response:
         try:
             result = await self._controller_call("status", history=max(0, min(history, 10_000)))
+        except HTTPError as err:
+            return err.response()
+        result["shadow_estimate"] = await self._shadow_estimator.estimate(result)
+        return JSONResponse(result)
+
+    @app.get("/v1/fsd/recording")
+    async def recording(self, request: Request) -> Response:
+        """The traffic recording as one trace CSV (admin: it describes every user's traffic)."""
+        try:
+            self._check_admin(request)
+            if self._recorder is None:
+                raise HTTPError(404, "traffic recording is off; set recording.enabled: true in the config",
+                                code="recording_disabled")
+            text = await asyncio.to_thread(self._recorder.read_all)
+        except HTTPError as err:
+            return err.response()
+        return Response(content=text, media_type="text/csv; charset=utf-8")
+
+    @app.post("/v1/fsd/policy/promote")
+    async def promote(self, request: Request) -> Response:
+        """Make the shadow policy the active one (validated, recorded in the status history)."""
+        try:
+            self._check_admin(request)
+            result = await self._controller_call("promote_shadow")
         except HTTPError as err:
             return err.response()
         return JSONResponse(result)

@@ -12,6 +12,7 @@ Layout (all sections optional; ``FSDConfig()`` is the shipped default service)::
     serve:    Ray Serve options (num_replicas or autoscaling_config, max_ongoing_requests, CPUs)
     http:     host, port, admin token, body and timeout limits
     ray:      address of an existing cluster (None ⇒ start a local one)
+    recording: traffic recording (off by default): path, size bound, shadow-estimate window
 """
 
 from __future__ import annotations
@@ -149,6 +150,28 @@ class RayConfig(_Section):
     object_store_memory: int | None = Field(None, ge=78_643_200, description="bytes, local cluster only")
 
 
+class RecordingConfig(_Section):
+    """Record the service's own traffic as a trace (arrival time, token counts, tier, max_tokens,
+    status; never prompt or output text) for replay in the simulator (:mod:`controller.recording`)."""
+
+    enabled: bool = Field(False, description="record every request the ingress admits or refuses for overload")
+    path: str = Field("fsd_recording.csv", min_length=1,
+                      description="CSV file; a relative path resolves against the working directory of `fsd serve`")
+    max_bytes: int = Field(10_000_000, ge=1024, description="rotate the file when it would exceed this size")
+    backups: int = Field(1, ge=0, le=100, description="rotated files kept (path.1 … path.N); older ones deleted")
+    shadow_window_s: float = Field(
+        60.0, gt=0, description="the shadow estimate replays the arrivals of this last window in the simulator"
+    )
+    shadow_every_s: float = Field(5.0, gt=0, description="recompute the shadow estimate at most this often")
+    profile: str | None = Field(None, description="sim profile JSON for the shadow estimate (None = shipped)")
+
+    @field_validator("path", "profile")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # Absolute at load time: Serve replicas run in another working directory.
+        return str(Path(v).expanduser().resolve()) if v is not None else None
+
+
 class FSDConfig(_Section):
     """The whole service."""
 
@@ -159,6 +182,7 @@ class FSDConfig(_Section):
     serve: ServeOptions = Field(default_factory=ServeOptions)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    recording: RecordingConfig = Field(default_factory=RecordingConfig)
 
     @model_validator(mode="after")
     def _tiers_known(self) -> FSDConfig:

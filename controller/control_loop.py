@@ -272,6 +272,23 @@ class FSDController:
         logger.info("%s policy replaced: %s", "shadow" if shadow else "active", normalised)
         return self.status(history=0)
 
+    async def promote_shadow(self) -> dict[str, Any]:
+        """Make the shadow policy active (rebuilt from its spec against the current SLO, validated like any
+        policy change); the shadow slot empties; the change is recorded in the status history."""
+        from controller.rollout import promotion_record
+
+        if self._shadow_spec is None:
+            raise ValueError("promote: no shadow policy is set (PUT /v1/fsd/policy?shadow=true first)")
+        policy, spec = build_policy(self._shadow_spec, self._slo)
+        async with self._lock:
+            previous, self._policy, self._policy_spec = self._policy_spec, policy, spec
+            self._shadow, self._shadow_spec, self._last_shadow = None, None, None
+            telemetry = _jsonable(self._last_window.telemetry) if self._last_window is not None else None
+            self._history.append(promotion_record(time.monotonic() - self._t0, self._thresholds, self._version,
+                                                  spec, previous, telemetry))
+        logger.info("shadow policy promoted to active: %s (was %s)", spec, previous)
+        return self.status(history=1)
+
     def record_rejections(self, count: int = 1) -> None:
         """Requests the ingress refused for overload before any replica saw them."""
         self._pending_rejections += max(0, int(count))

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 
-COMMANDS = ("generate", "models", "sim", "calibrate", "serve", "demo")
+COMMANDS = ("generate", "models", "sim", "calibrate", "serve", "demo", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,12 @@
     fsd sim --workload sim/workloads/step.yaml --policy pid --json out.json --plot out.png
     fsd sim --trace ../shared/traces/azure_llm_2023_conv.csv --time-scale 1 --sample 0.1 --duration 600
     fsd sim compare --policies static:0,static:1.0,pid,bandit,feedforward --workload sim/workloads/step.yaml
+    fsd sim compare --trace recording.csv --config fsd.yaml --policies pid,slo   # replay a recording
+
+With ``--config`` (the service's fsd YAML) and a recorded ``--trace`` (``fsd trace fetch``), the replay
+takes the SLO, the live policy and the fleet from the config, replays the recorded arrivals, token counts
+and tiers exactly, and lists the live policy first as the baseline, with the SLO verdict per tier
+(attainment at least the tier's percentile, mean distortion within its budget). See docs/rollout.md.
 
 Defaults: the shipped calibrated profile (sim/profiles/smollm2-135m.json), SLOSpec.default(), the shipped
 steady workload, 2 replicas of max batch 8. Same seed ⇒ identical results.
@@ -36,8 +42,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sample", type=float, default=1.0, help="with --trace: keep this fraction of requests")
     p.add_argument("--max-context", type=int, default=2048, help="with --trace: clip prompt+output tokens")
     p.add_argument("--duration", type=float, help="stop arrivals after S simulated seconds")
-    p.add_argument("--policy", default="slo",
-                   help="policy name (slo = the shipped SLO policy, static:T, pid, bandit, feedforward), JSON, or a YAML/JSON file")
+    p.add_argument("--config", help="the service's fsd YAML config: replay --trace with its SLO, fleet and live "
+                                     "policy (the baseline; see docs/rollout.md)")
+    p.add_argument("--policy", default=None,
+                   help="(default slo; with --config the live policy) policy name (slo = the shipped SLO policy, static:T, pid, bandit, feedforward), JSON, or a YAML/JSON file")
     p.add_argument("--policies", default=DEFAULT_COMPARE, help="compare: comma-separated names or files")
     p.add_argument("--slo", help="SLO spec YAML/JSON (default: SLOSpec.default())")
     p.add_argument("--profile", help="profile JSON (default: the shipped calibrated SmolLM2 profile, sim/profiles/smollm2-135m.json)")
@@ -89,6 +97,9 @@ def handle(args: argparse.Namespace) -> int:
     from sim.report import plot, plot_compare, result_json, write_json, write_records
     from sim.simulator import Simulator
 
+    if args.config:
+        return handle_replay(args)
+    args.policy = args.policy or "slo"
     workload, slo, profile, config = build_inputs(args)
     if not args.quiet:
         for warning in unreachable_tpot_targets(slo, profile, config.div or profile.default_div,
@@ -138,3 +149,66 @@ def handle(args: argparse.Namespace) -> int:
         plot_compare(rows, args.plot, title=title)
     return 0
 
+
+def handle_replay(args: argparse.Namespace) -> int:
+    """``--config``: replay a recorded trace with the service's SLO, fleet and live policy (the baseline)."""
+    from controller.config import load_config
+    from controller.rollout import LIVE, sim_inputs, sim_policy
+    from sim.compare import markdown_table, summary_row, tier_table
+    from sim.inputs import build_policy, load_mapping, load_slo
+    from sim.profile import Profile
+    from sim.replay import replay, requests_from_trace
+    from sim.report import result_json
+    from sim.simulator import SimConfig
+    from sim.trace import read_azure_trace
+
+    if not args.trace:
+        raise ValueError("--config replays a recorded trace: give --trace PATH (from `fsd trace fetch`)")
+    if args.time_scale != 1.0 or args.sample != 1.0 or args.duration is not None:
+        raise ValueError("--config replays the recording exactly: drop --time-scale, --sample and --duration")
+    inputs = sim_inputs(load_config(args.config), seed=args.seed, replicas=args.replicas)
+    slo = load_slo(args.slo) if args.slo else inputs.slo
+    profile = Profile.load(args.profile) if args.profile else Profile.default()
+    cluster = inputs.config.model_dump()
+    if args.cluster:
+        cluster.update(load_mapping(Path(args.cluster), "cluster"))
+    if args.max_batch is not None:
+        cluster["max_batch"] = args.max_batch
+    config = SimConfig.from_dict(cluster, source=args.cluster or "fsd config")
+    requests = requests_from_trace(read_azure_trace(args.trace), slo)
+    if args.action == "compare":
+        specs = [s.strip() for s in args.policies.split(",") if s.strip()]
+    else:
+        specs = [args.policy] if args.policy else []
+    if LIVE in specs:
+        raise ValueError(f"--policies: {LIVE!r} names the config's live policy, the baseline; drop it")
+    policies = {LIVE: sim_policy(inputs.live_policy, slo, profile, config.k)}
+    policies.update({spec: build_policy(spec, slo, profile, config.k) for spec in specs})
+    result = replay(requests, slo, profile, config, policies, baseline=LIVE)
+    rows = []
+    for run in result.runs:
+        row = summary_row(run.name, run.result.summary)
+        row["baseline"] = run.baseline
+        row["meets_slo"] = run.meets_slo
+        row["tiers"] = {name: v.as_dict() for name, v in run.verdicts.items()}
+        rows.append(row)
+    notes = [*inputs.notes, *requests.notes]
+    if not args.quiet:
+        print(markdown_table(rows))
+        print()
+        print(tier_table(rows))
+        for note in notes:
+            print(f"note: {note}")
+        print(f"baseline: {LIVE} = {inputs.live_policy}; profile: {profile.provenance.pair}; "
+              f"cluster: {config.replicas} replicas x batch {config.max_batch}, k={config.k}")
+    if args.json_out:
+        out = {"workload": "recorded trace", "trace": args.trace, "config": args.config, "baseline": LIVE,
+               "live_policy": inputs.live_policy, "seed": args.seed, "notes": notes, "rows": rows,
+               "runs": {run.name: result_json(run.result, include_timeseries=False) for run in result.runs}}
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    if args.plot:
+        from sim.report import plot_compare
+
+        plot_compare(rows, args.plot, title=f"recorded trace {Path(args.trace).name} (seed {args.seed})")
+    return 0

@@ -37,3 +37,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def tier_table(rows: list[dict[str, Any]]) -> str:
+    """Per policy and tier: attainment vs the tier's percentile, distortion vs its budget."""
+    lines = ["| policy | tier | arrivals | slo_attainment | target | mean_distortion | budget | meets_slo |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for tier, v in r["tiers"].items():
+            budget = "-" if v["distortion_budget"] is None else f"{v['distortion_budget']:.4g}"
+            lines.append(f"| {r['policy']} | {tier} | {v['arrivals']} | {v['slo_attainment']:.4g} | "
+                         f"{v['attainment_target']:.4g} | {v['mean_distortion']:.4g} | {budget} | "
+                         f"{'yes' if v['meets_slo'] else 'no'} |")
+    return "\n".join(lines)

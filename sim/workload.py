@@ -259,10 +259,11 @@ class Workload(_Strict):
                 raise ValueError(f"tier_mix names tier {tier!r}, which the SLO lacks; SLO tiers: {tier_names}")
         notes: list[str] = []
         attribution = None
+        trace_tiers: list[str | None] | None = None  # the trace's Tier column, when it has one
         if isinstance(self.arrivals, TraceArrivals):
-            arrival, prompt, output, trace_notes = self._trace_columns(rng)
+            arrival, prompt, output, trace_notes, trace_tiers, recorded = self._trace_columns(rng)
             notes.extend(trace_notes)
-            attribution = AZURE_ATTRIBUTION
+            attribution = None if recorded else AZURE_ATTRIBUTION
         else:
             arrival = self._rate_arrivals(rng)
             n = arrival.size
@@ -276,6 +277,8 @@ class Workload(_Strict):
             shares = np.array([self.tier_mix[t] for t in names], dtype=float)
             pick = rng.choice(len(names), size=n, p=shares / shares.sum())
             index = np.array([tier_names.index(t) for t in names], dtype=np.int16)[pick]
+        elif trace_tiers is not None:  # a tier_mix overrides the trace's own tiers
+            index = trace_tier_index(trace_tiers, tier_names, default_tier)
         else:
             index = np.full(n, tier_names.index(default_tier), dtype=np.int16)
         return Requests(arrival, prompt, output, index.astype(np.int16), tuple(tier_names), notes, attribution)
@@ -303,7 +306,10 @@ class Workload(_Strict):
         # values on a plateau's boundary to its left end.
         return np.asarray(np.interp(ops, cum, grid), dtype=np.float64)
 
-    def _trace_columns(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    def _trace_columns(
+        self, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str | None] | None, bool]:
+        """(arrival, prompt, output, notes, the Tier column or None, whether the service recorded it)."""
         a = self.arrivals
         assert isinstance(a, TraceArrivals)
         trace = read_azure_trace(a.path)
@@ -313,9 +319,15 @@ class Workload(_Strict):
         arrival = (trace.arrival_s[keep] - a.start_s) * a.time_scale
         prompt = trace.prompt_tokens[keep]
         output = trace.output_tokens[keep]
+        tiers = [t for t, k in zip(trace.tier, keep.tolist(), strict=True) if k] if trace.tier is not None else None
+        max_tokens = trace.max_tokens[keep] if trace.max_tokens is not None else None
         if self.duration_s is not None:
             within = arrival < self.duration_s
             arrival, prompt, output = arrival[within], prompt[within], output[within]
+            if tiers is not None:
+                tiers = [t for t, k in zip(tiers, within.tolist(), strict=True) if k]
+            if max_tokens is not None:
+                max_tokens = max_tokens[within]
         n = arrival.size
         if n == 0:
             raise ValueError(f"arrivals: trace {a.path!r} leaves no requests after start_s/sample/duration")
@@ -328,17 +340,33 @@ class Workload(_Strict):
             prompt = self.prompt_tokens.sample(rng, n)
         if not isinstance(self.output_tokens, TraceLength):
             output = self.output_tokens.sample(rng, n)
+            if max_tokens is not None:  # a sampled length never exceeds the max_tokens the request asked
+                output = np.where(max_tokens > 0, np.minimum(output, max_tokens), output)
         zero = int((output < 1).sum())
         if zero:
             notes.append(f"{zero} requests with GeneratedTokens = 0 given 1 output token")
             output = np.maximum(output, 1)
-        return arrival, prompt, output, notes
+        return arrival, prompt, output, notes, tiers, trace.status is not None
 
     def rate_description(self) -> str:
         a = self.arrivals
         if isinstance(a, TraceArrivals):
             return f"trace {Path(a.path).name} x{a.time_scale}"
         return a.kind
+
+
+def trace_tier_index(tiers: list[str | None] | tuple[str | None, ...], tier_names: list[str],
+                     default_tier: str) -> np.ndarray:
+    """Tier indices ([n] int16) for a trace's Tier column (None = ``default_tier``); ValueError names a
+    tier the SLO lacks."""
+    lookup = {name: i for i, name in enumerate(tier_names)}
+    out = np.empty(len(tiers), dtype=np.int16)
+    for i, name in enumerate(tiers):
+        key = default_tier if name is None else name
+        if key not in lookup:
+            raise ValueError(f"trace Tier {key!r} (request {i}) is not an SLO tier; SLO tiers: {tier_names}")
+        out[i] = lookup[key]
+    return out
 
 
 def _clip_to_context(prompt: np.ndarray, output: np.ndarray, max_context: int) -> tuple[np.ndarray, np.ndarray, list[str]]:

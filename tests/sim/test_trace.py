@@ -95,3 +95,60 @@ def test_shared_trace_when_present() -> None:
         pytest.skip(f"{path} not present")
     t = read_azure_trace(path)
     assert len(t) > 19000 and t.arrival_s[-1] > 3000
+
+
+RECORDED_SAMPLE = """TIMESTAMP,ContextTokens,GeneratedTokens,Tier,MaxTokens,Status
+1700000000.500000,12,30,economy,64,stop
+1700000000.000000,20,64,,64,length
+1700000001.250000,0,0,standard,128,rejected
+1700000002.000000,8,3,lossless,32,cut
+"""
+
+
+def test_reads_the_optional_recorded_columns_sorted_with_the_rows(tmp_path) -> None:
+    path = tmp_path / "rec.csv"
+    path.write_text(RECORDED_SAMPLE)
+    t = read_azure_trace(path)
+    assert list(t.arrival_s) == pytest.approx([0.0, 0.5, 1.25, 2.0])
+    assert t.tier == (None, "economy", "standard", "lossless")  # empty Tier = the default tier
+    assert list(t.max_tokens) == [64, 64, 128, 32]
+    assert t.status == ("length", "stop", "rejected", "cut")
+    assert list(t.output_tokens) == [64, 30, 0, 3]
+
+
+def test_plain_azure_trace_has_no_optional_columns(tmp_path) -> None:
+    t = read_azure_trace(_write(tmp_path))
+    assert t.tier is None and t.max_tokens is None and t.status is None
+
+
+@pytest.mark.parametrize("row, column", [("1,2,3,standard,x,stop", "MaxTokens"), ("1,2,3,standard,-1,stop", "MaxTokens"),
+                                         ("1,2,3,standard,4,done", "Status")])
+def test_bad_optional_column_names_line_and_column(tmp_path, row: str, column: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,Tier,MaxTokens,Status\n" + row + "\n")
+    with pytest.raises(ValueError, match=f"line 2: {column}"):
+        read_azure_trace(path)
+
+
+def test_write_then_read_round_trips_optional_columns(tmp_path) -> None:
+    from sim.trace import write_azure_trace
+
+    path = tmp_path / "rt.csv"
+    write_azure_trace(path, np.array([0.0, 1.5]), np.array([5, 6]), np.array([7, 8]), tier=["economy", None],
+                      max_tokens=np.array([16, 0]), status=["stop", "cut"])
+    t = read_azure_trace(path)
+    assert t.tier == ("economy", None) and list(t.max_tokens) == [16, 0] and t.status == ("stop", "cut")
+
+
+def test_workload_uses_trace_tiers_and_caps_sampled_lengths_by_max_tokens(tmp_path) -> None:
+    path = tmp_path / "rec.csv"
+    path.write_text(RECORDED_SAMPLE)
+    slo = SLOSpec.default()
+    w = make_workload(duration_s=None, arrivals={"kind": "trace", "path": str(path)},
+                      prompt_tokens={"kind": "trace"}, output_tokens={"kind": "fixed", "value": 100})
+    r = w.generate(np.random.default_rng(0), list(slo.tiers), slo.default_tier)
+    assert [r.tier_names[i] for i in r.tier] == ["standard", "economy", "standard", "lossless"]
+    assert list(r.output_tokens) == [64, 64, 100, 32]  # sampled 100, capped by MaxTokens
+    assert r.attribution is None  # a recorded trace is not the Azure trace
+    with pytest.raises(ValueError, match="Tier 'economy'"):
+        w.generate(np.random.default_rng(0), ["standard", "lossless"], "standard")

@@ -12,13 +12,14 @@ module attribute ``app``, built lazily from ``$FSD_CONFIG`` (or the defaults) wh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
 from controller.api import FSDIngress
-from controller.config import FSDConfig, config_from_env
+from controller.config import FSDConfig, config_from_env, parse_config
 from controller.control_loop import FSDController
 from controller.replica import FSDReplica
 
@@ -49,8 +50,9 @@ def replica_options(cfg: FSDConfig) -> dict[str, Any]:
     return opts
 
 
-def build_app(cfg: FSDConfig) -> Application:
-    """The bound Serve application for ``cfg``."""
+def build_app(args: FSDConfig | Mapping[str, Any] | None = None) -> Application:
+    """The bound Serve application for an fsd config (a parsed one, or its mapping as Serve's ``args``)."""
+    cfg = args if isinstance(args, FSDConfig) else parse_config(dict(args or {}))
     config = cfg.model_dump(mode="json")
     replica = serve.deployment(**replica_options(cfg))(FSDReplica)
     controller = serve.deployment(

@@ -307,9 +307,12 @@ def test_metrics_are_prometheus_text_and_exact(client: httpx.Client) -> None:
     completions = next(s.value for s in families["fsd_completions"].samples if s.name == "fsd_completions_total")
     hist_count = sum(s.value for s in families["fsd_e2e_seconds"].samples if s.name == "fsd_e2e_seconds_count")
     assert completions >= 3 and hist_count == completions, "every finished request lands in the histogram"
-    for name in ("fsd_queue_depth", "fsd_acceptance_rate", "fsd_tier_slo_attainment", "fsd_tier_goodput",
+    for name in ("fsd_queue_depth", "fsd_acceptance_ratio", "fsd_tier_slo_attainment_ratio",
                  "fsd_tpot_seconds", "fsd_ttft_seconds", "fsd_mean_distortion"):
         assert name in families, name
+    # Per-replica values carry Serve's replica id, the label ray_serve_* metrics use too.
+    replica_ids = {s["replica_id"] for s in _replica_stats()}
+    assert {s.labels["replica"] for s in families["fsd_replica_in_flight"].samples} == replica_ids
 
 
 # ---- load: back-pressure, closed loop ------------------------------------------------------------

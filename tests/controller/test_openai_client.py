@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai  # a dev dependency: a missing client must fail the suite, not skip it
 import pytest
 
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-
-openai = pytest.importorskip("openai")
 
 APP = "fsd-openai-test"
 MODEL = "tiny"

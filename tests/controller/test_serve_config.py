@@ -78,6 +78,7 @@ def _tiny_serve_config(port: int) -> dict[str, Any]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # its own cluster in a subprocess: ~1-2 min
 @pytest.mark.timeout(420)
 def test_serve_run_of_the_shipped_config_serves_a_completion(tmp_path: Path) -> None:
     serve_cli = Path(sys.executable).parent / "serve"

@@ -143,7 +143,8 @@ def serve_config_yaml(fsd_config_path: str | None) -> str:
               "# args is the fsd config (see example.yaml); per-deployment overrides go in a `deployments:`\n"
               "# list (FSDReplica, FSDController, FSDIngress). The workers must import `controller`\n"
               "# (install the package, or add runtime_env working_dir/py_modules).\n")
-    return header + yaml.safe_dump(serve_config(data), sort_keys=False, default_flow_style=False)
+    body: str = yaml.safe_dump(serve_config(data), sort_keys=False, default_flow_style=False)
+    return header + body
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """One streamed OpenAI-style request, timed at the client: the load and fidelity benchmarks' probe.
 
 TTFT = first content chunk − send, TPOT = (last − first content chunk) / (completion tokens − 1),
-E2E = end of stream − send; token counts and the ``fsd`` block come from the final usage chunk.
+E2E = end of stream − send; token counts come from the final usage chunk (``stream_options.include_usage``
+is set here), the ``fsd`` block from the finish chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ async def timed_stream(client: Any, path: str, body: dict[str, Any], rec: dict[s
     sent = time.monotonic()
     first = last = None
     try:
+        body = {**body, "stream_options": {"include_usage": True}}
         async with client.stream("POST", path, json=body) as r:
             rec["status"] = r.status_code
             if r.status_code != 200:
@@ -35,10 +37,11 @@ async def timed_stream(client: Any, path: str, body: dict[str, Any], rec: dict[s
                 if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     first = first or now
                     last = now
-                if "usage" in chunk:
+                if chunk.get("usage"):
                     rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
                     rec["output_tokens"] = chunk["usage"]["completion_tokens"]
-                    rec["fsd"] = chunk.get("fsd")
+                if chunk.get("fsd"):
+                    rec["fsd"] = chunk["fsd"]
     except Exception as exc:  # recorded, never hidden
         rec["status"] = type(exc).__name__
         return rec

@@ -19,15 +19,25 @@ Status codes (errors are OpenAI-shaped ``{"error": {"message", "type", "param", 
 names the field):
 
 =====  ===================================================================================================
-400    body is not UTF-8, not JSON, or not a JSON object; prompt + max_tokens over the model's context
+400    every bad request, as OpenAI and vLLM answer it: body not UTF-8, not JSON (or nested too deeply),
+       not a JSON object; a field with a wrong type or value (NaN/inf, ``max_tokens`` ≤ 0 or above the
+       limit, empty prompt, unknown role, non-text content part, unknown tier, T outside the tier's
+       bounds); an OpenAI parameter this server does not implement (``n > 1``, ``logprobs``, ``tools``…,
+       ``code: unsupported_parameter``); prompt + max_tokens over the model's context; invalid SLO or
+       policy spec; a bad query parameter
 401    admin call without a bearer token;  403: wrong token, or no admin token configured
-404    unknown ``model``
+404    unknown ``model`` or path;  405: wrong method
 413    body larger than ``http.max_body_bytes``
-422    a field with a wrong type or value: NaN/inf, ``max_tokens`` ≤ 0 or above the limit, empty prompt,
-       unknown tier, T outside the tier's bounds, invalid SLO or policy spec
+500    an internal error: the body names the request id only; the traceback goes to the log with that id
 503    overload (replica queue or Serve's queue full) or no replica available — with ``Retry-After``
 504    the request did not finish within ``http.request_timeout_s``
 =====  ===================================================================================================
+
+Request ids: Ray Serve's proxy echoes ``X-Request-Id`` (or generates one); the ingress logs with it and
+names it in 500 bodies. Streams follow OpenAI (and what ``vllm bench serve`` reads): the first chunk
+carries the first text (with ``role`` on chat), the last choice chunk the ``finish_reason`` and ``fsd``,
+and with ``stream_options.include_usage`` a final chunk with ``choices: []`` carries ``usage`` (every
+other chunk then has ``usage: null``).
 """
 
 # No `from __future__ import annotations`: FastAPI must resolve `Request` annotations at route
@@ -43,12 +53,20 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.config import FSDConfig, format_validation_error, parse_config
-from controller.openai_schema import ChatCompletionRequest, CompletionRequest
+from controller.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedParameterError,
+    check_unsupported,
+)
 from controller.recording import RequestRecording, TrafficRecorder
 from controller.rollout import ShadowEstimator
 
@@ -75,7 +93,84 @@ class HTTPError(Exception):
 def _validation_error(exc: ValidationError) -> HTTPError:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
-    return HTTPError(422, format_validation_error(exc), param)
+    message = format_validation_error(exc)
+    if param is None and ":" in message:  # whole-model checks start their message with the field's name
+        head = message.split(":", 1)[0]
+        param = head if head.replace(".", "").replace("_", "").isalnum() else None
+    return HTTPError(400, message, param)
+
+
+def _request_id(request: Request) -> str:
+    """The id to log with: ``X-Request-Id`` as Serve's proxy forwards it (it echoes it on the response)."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def _internal_error(request_id: str) -> HTTPError:
+    # The body never carries a traceback, a remote address or a path; the log does, under this id.
+    return HTTPError(500, f"internal server error (request id {request_id}); details are in the server log",
+                     code="internal_error")
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """FastAPI's own 404 (no such path) / 405 (wrong method) in OpenAI's error shape."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return HTTPError(exc.status_code, message, headers=exc.headers).response()
+
+
+async def _request_validation_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own 422 (a bad query parameter) as OpenAI's 400."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    parts, param = [], None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path", "header")]
+        param = param or (".".join(loc) or None)
+        parts.append(f"{'.'.join(loc)}: {err.get('msg', 'invalid')}")
+    return HTTPError(400, "; ".join(parts) or "invalid request", param).response()
+
+
+class _UnhandledErrorMiddleware:
+    """Last line: an exception no route handled becomes OpenAI's 500 body (id only), logged with its id.
+
+    A pure ASGI middleware (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            request_id = Request(scope).headers.get("x-request-id") or uuid.uuid4().hex
+            logger.exception("unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"),
+                             request_id)
+            if started:  # headers are out: nothing left to say in HTTP
+                return
+            response = _internal_error(request_id).response()
+            await response(scope, receive, send)
+
+
+app.add_exception_handler(StarletteHTTPException, _http_exception)
+app.add_exception_handler(RequestValidationError, _request_validation_error)
+app.add_middleware(_UnhandledErrorMiddleware)
 
 
 def _is_backpressure(exc: BaseException) -> bool:
@@ -116,8 +211,10 @@ class _Stream:
 
 
 def _sse_error(status: int, message: str) -> str:
+    # Mid-stream the status line is already 200: the error rides in a chunk, `code` the status (as vLLM).
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return f"data: {json.dumps({'error': {'message': message, 'type': kind, 'code': status}})}\n\n"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def _finite(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,6 +247,9 @@ class FSDIngress:
         self._admin_token = self._cfg.http.resolved_admin_token()
         self._recorder = TrafficRecorder.from_config(self._cfg.recording)  # None unless recording.enabled
         self._shadow_estimator = ShadowEstimator(self._cfg, self._recorder)
+        self._created = int(time.time())  # `created` of /v1/models: when this deployment came up
+        self._max_model_len: int | None = None  # the pair's context, asked of a replica once
+        self._ignored_fields_logged: set[str] = set()
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -173,6 +273,10 @@ class FSDIngress:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise HTTPError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        except RecursionError:  # a nesting bomb ([[[[…]]]] thousands deep) must not become a 500
+            raise HTTPError(400, "malformed JSON: nested too deeply") from None
+        except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+            raise HTTPError(400, f"malformed JSON: {exc}") from None
 
     async def _json_object(self, request: Request) -> dict[str, Any]:
         data = await self._read_json(request)
@@ -204,7 +308,7 @@ class FSDIngress:
         return HTTPError(503, message, code="overloaded",
                          headers={"Retry-After": str(self._cfg.http.retry_after_s)})
 
-    async def _start(self, payload: dict[str, Any]) -> _Stream:
+    async def _start(self, payload: dict[str, Any], request_id: str) -> _Stream:
         """Send a request to a replica and read its first chunk (``start`` or ``error``)."""
         generator = None
         try:
@@ -222,12 +326,14 @@ class FSDIngress:
             if _is_replica_failure(exc):
                 raise HTTPError(503, f"no replica available: {type(exc).__name__}",
                                 headers={"Retry-After": str(self._cfg.http.retry_after_s)}) from None
-            logger.exception("replica call failed")
-            raise HTTPError(500, f"replica error: {type(exc).__name__}: {exc}") from None
+            logger.exception("replica call failed (request id %s)", request_id)
+            raise _internal_error(request_id) from None
         if first.get("type") == "error":
             status = int(first["status"])
             if status == 503:  # the replica already counted this rejection
                 raise self._overloaded(first["message"], count=False)
+            if status == 422:  # a replica-side value check (tier, bounds, limits): a bad request, as OpenAI says
+                status = 400
             raise HTTPError(status, first["message"], first.get("param"), first.get("code"))
         return _Stream(generator, first)
 
@@ -253,11 +359,22 @@ class FSDIngress:
 
     # ---- generation ------------------------------------------------------------------------------
 
+    def _log_ignored_fields(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        new = [f for f in body.extra_fields() if f not in self._ignored_fields_logged]
+        if new:  # once per field name: vLLM warns about ignored fields too, but a hot loop must not flood
+            self._ignored_fields_logged.update(new)
+            logger.warning("ignoring unknown request field(s) %s", new)
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         started = time.monotonic()
         recording: RequestRecording | None = None
+        request_id = _request_id(request)
         try:
             data = await self._json_object(request)
+            try:
+                check_unsupported(data)
+            except UnsupportedParameterError as exc:
+                raise HTTPError(400, str(exc), exc.param, "unsupported_parameter") from None
             try:
                 body: CompletionRequest | ChatCompletionRequest = (
                     ChatCompletionRequest.model_validate(data) if chat else CompletionRequest.model_validate(data)
@@ -265,6 +382,7 @@ class FSDIngress:
             except ValidationError as exc:
                 raise _validation_error(exc) from None
             self._check_model(body.model)
+            self._log_ignored_fields(body)
             prompt: Any = body.message_dicts() if isinstance(body, ChatCompletionRequest) else body.prompt_text()
             # Plain completions are raw text continuation; chat goes through the chat template.
             payload = self._payload(body, request, prompt, chat=chat)
@@ -272,7 +390,7 @@ class FSDIngress:
                 recording = RequestRecording.for_payload(self._recorder, payload, self._cfg)
             timeout = self._cfg.http.request_timeout_s
             try:
-                stream = await asyncio.wait_for(self._start(payload), timeout)
+                stream = await asyncio.wait_for(self._start(payload, request_id), timeout)
             except TimeoutError:
                 raise HTTPError(504, f"request did not start within {timeout}s") from None
         except HTTPError as err:
@@ -289,11 +407,13 @@ class FSDIngress:
         }
         deadline = started + self._cfg.http.request_timeout_s
         if body.stream:
-            return StreamingResponse(self._sse(stream, meta, chat, deadline), media_type="text/event-stream",
+            return StreamingResponse(self._sse(stream, meta, chat, deadline, body.include_usage, request_id),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(stream, meta, chat, deadline)
+        return await self._collect(stream, meta, chat, deadline, request_id)
 
-    async def _collect(self, stream: _Stream, meta: dict[str, Any], chat: bool, deadline: float) -> Response:
+    async def _collect(self, stream: _Stream, meta: dict[str, Any], chat: bool, deadline: float,
+                       request_id: str) -> Response:
         parts: list[str] = []
         end: dict[str, Any] | None = None
 
@@ -314,12 +434,13 @@ class FSDIngress:
             if _is_replica_failure(exc):
                 return HTTPError(503, f"replica failed while generating: {type(exc).__name__}",
                                  headers={"Retry-After": str(self._cfg.http.retry_after_s)}).response()
-            logger.exception("generation failed")
-            return HTTPError(500, f"generation failed: {type(exc).__name__}: {exc}").response()
+            logger.exception("generation failed (request id %s)", request_id)
+            return _internal_error(request_id).response()
         if end is None:
             return HTTPError(502, "replica stream ended without a final chunk").response()
         if end["finish_reason"] == "error":
-            return HTTPError(500, f"generation failed: {end.get('error')}").response()
+            logger.error("generation failed (request id %s): %s", request_id, end.get("error"))
+            return _internal_error(request_id).response()
         text = "".join(parts)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -331,22 +452,30 @@ class FSDIngress:
         return JSONResponse({**meta, "object": obj, "choices": [choice], "usage": end["usage"],
                              "fsd": _finite(end["fsd"])})
 
-    async def _sse(self, stream: _Stream, meta: dict[str, Any], chat: bool, deadline: float) -> AsyncIterator[str]:
+    async def _sse(self, stream: _Stream, meta: dict[str, Any], chat: bool, deadline: float,
+                   include_usage: bool, request_id: str) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
+        role_sent = False
 
-        def event(delta_text: str | None, finish: str | None, extra: dict[str, Any] | None = None,
-                  role: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if delta_text:
-                    delta["content"] = delta_text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish}
-            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice], **(extra or {})})}\n\n"
+        def event(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+            body: dict[str, Any] = {**meta, "object": obj, "choices": choices, **(extra or {})}
+            if include_usage:  # OpenAI: with include_usage every chunk has `usage`, null until the last
+                body.setdefault("usage", None)
+            return f"data: {json.dumps(body)}\n\n"
 
-        if chat:
-            yield event(None, None, role=True)
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            nonlocal role_sent
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            delta: dict[str, Any] = {}
+            if not role_sent:  # the role rides on the first chunk that has text: no chunk before prefill
+                delta["role"] = "assistant"
+                role_sent = True
+                delta["content"] = text
+            elif text:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
         chunks = stream.chunks()
         try:
             while True:
@@ -355,23 +484,29 @@ class FSDIngress:
                     raise TimeoutError
                 chunk = await asyncio.wait_for(chunks.__anext__(), remaining)
                 if chunk["type"] == "delta":
-                    yield event(chunk["text"], None)
+                    if chunk["text"]:
+                        yield event([choice(chunk["text"], None)])
                 elif chunk["type"] == "end":
                     if chunk["finish_reason"] == "error":
-                        yield _sse_error(500, f"generation failed: {chunk.get('error')}")
+                        logger.error("generation failed (request id %s): %s", request_id, chunk.get("error"))
+                        yield _sse_error(500, _internal_error(request_id).message)
                     else:
-                        if chunk.get("text"):
-                            yield event(chunk["text"], None)
-                        yield event(None, chunk["finish_reason"],
-                                    {"usage": chunk["usage"], "fsd": _finite(chunk["fsd"])})
+                        # The last text and the finish reason travel together, as vLLM sends them.
+                        yield event([choice(chunk.get("text") or "", chunk["finish_reason"])],
+                                    {"fsd": _finite(chunk["fsd"])})
+                        if include_usage:
+                            yield event([], {"usage": chunk["usage"]})
                     break
         except StopAsyncIteration:
             yield _sse_error(502, "replica stream ended without a final chunk")
         except TimeoutError:
             yield _sse_error(504, f"request timed out after {self._cfg.http.request_timeout_s}s")
         except Exception as exc:
-            status = 503 if _is_replica_failure(exc) else 500
-            yield _sse_error(status, f"generation failed: {type(exc).__name__}")
+            if _is_replica_failure(exc):
+                yield _sse_error(503, f"replica failed while generating: {type(exc).__name__}")
+            else:
+                logger.exception("generation failed (request id %s)", request_id)
+                yield _sse_error(500, _internal_error(request_id).message)
         finally:
             await chunks.aclose()
         yield "data: [DONE]\n\n"
@@ -384,9 +519,27 @@ class FSDIngress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    async def _model_card(self) -> dict[str, Any]:
+        if self._max_model_len is None:
+            try:  # the ingress loads no model: a replica knows the pair's context
+                stats = await asyncio.wait_for(self._replicas.stats.remote(drain=False), 10.0)
+                self._max_model_len = int(stats["max_context"])
+            except Exception:  # no replica yet: answer without it rather than fail the listing
+                logger.warning("could not read max_context from a replica", exc_info=True)
+        return {"id": self._cfg.model_name, "object": "model", "created": self._created, "owned_by": "fsd-runtime",
+                "root": self._cfg.model.pair, "parent": None, "max_model_len": self._max_model_len}
+
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self._cfg.model_name, "object": "model", "owned_by": "fsd-runtime"}]}
+        return {"object": "list", "data": [await self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> Response:
+        try:
+            self._check_model(model_id)
+        except HTTPError as err:
+            return err.response()
+        return JSONResponse(await self._model_card())
 
     # ---- control plane ---------------------------------------------------------------------------
 
@@ -396,7 +549,7 @@ class FSDIngress:
         except TimeoutError:
             raise HTTPError(504, "controller did not answer within 10s") from None
         except ValueError as exc:  # the controller's own validation (re-raised through Ray)
-            raise HTTPError(422, _cause_message(exc)) from None
+            raise HTTPError(400, _cause_message(exc)) from None
         except Exception as exc:
             raise HTTPError(503, f"controller unavailable: {type(exc).__name__}",
                             headers={"Retry-After": str(self._cfg.http.retry_after_s)}) from None
@@ -458,16 +611,16 @@ class FSDIngress:
             self._check_admin(request)
             spec = await self._read_json(request)
             if spec is None and not shadow:
-                raise HTTPError(422, "policy: a policy spec is required", "policy")
+                raise HTTPError(400, "policy: a policy spec is required", "policy")
             if spec is not None:
                 if not isinstance(spec, dict | str):
-                    raise HTTPError(422, f"policy spec must be a name or an object, got {type(spec).__name__}",
+                    raise HTTPError(400, f"policy spec must be a name or an object, got {type(spec).__name__}",
                                     "policy")
                 current = await self._controller_call("status", history=0)
                 try:
                     build_policy(spec, SLOSpec.model_validate(current["slo"]))
                 except ValueError as exc:
-                    raise HTTPError(422, str(exc), "policy") from None
+                    raise HTTPError(400, str(exc), "policy") from None
             result = await self._controller_call("set_policy", spec, shadow=shadow)
         except HTTPError as err:
             return err.response()

@@ -3,9 +3,15 @@
 The controller is the one place that sees every replica's exact counters and every finished request,
 so ``/metrics`` is rendered from its state: cumulative totals (sums of window deltas, so they survive
 replica restarts), latency histograms fed with each request's exact TTFT/TPOT/E2E, and the current
-gauges (T per tier, queue depth, last window's acceptance, distortion, SLO attainment, goodput). A
-private ``CollectorRegistry`` with one custom collector renders exactly the current values on each
-scrape — nothing is sampled or cached in between.
+gauges (T per tier, queue depth, last window's acceptance, distortion, SLO attainment). A private
+``CollectorRegistry`` with one custom collector renders exactly the current values on each scrape —
+nothing is sampled or cached in between.
+
+Naming follows Prometheus' conventions (and what Ray Serve's own ``ray_serve_*`` metrics sit beside):
+units in the name (``_seconds``), counters end ``_total``, ratios in [0, 1] end ``_ratio``, no gauges of
+per-second rates (``rate(fsd_output_tokens_total[1m])`` is the throughput, ``rate(fsd_slo_met_total[1m])``
+the goodput), and per-replica values carry a ``replica`` label whose value is Serve's replica id — the
+same ``replica`` label ``ray_serve_replica_processing_queries`` and friends carry, so they join.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class MetricsState:
         self.thresholds: dict[str, float] = {}
         self.gauges: dict[str, float] = {}
         self.tier_gauges: dict[str, dict[str, float]] = {}
+        self.replica_gauges: dict[str, dict[str, float]] = {}  # replica id → gauge name → value
+        self.replica_thresholds: dict[str, dict[str, float]] = {}  # replica id → tier → T it applies
         self.ticks = 0
         self.policy_errors = 0
 
@@ -80,21 +88,30 @@ class MetricsState:
             "in_flight": tel.in_flight,
             "replicas": tel.replicas,
             "draft_length": tel.draft_length,
-            "acceptance_rate": tel.acceptance_rate,
+            "acceptance_ratio": tel.acceptance_rate,
             "tokens_per_iteration": tel.mean_accepted_per_iter,
             "mean_distortion": tel.mean_distortion,
-            "output_tokens_per_s": tel.output_tokens_per_s,
-            "arrival_rate": tel.arrival_rate,
-            "telemetry_age_s": tel.age_s,
+            "telemetry_age_seconds": tel.age_s,
             "failsafe_replicas": sum(1 for r in window.replicas if r.get("failsafe")),
         }
         self.tier_gauges = {}
         for name, tw in tel.tiers.items():
             self.tier_gauges[name] = {
-                "slo_attainment": tw.slo_met / tw.completions if tw.completions else math.nan,
-                "goodput": tw.slo_met / tel.window_s,
+                "slo_attainment_ratio": tw.slo_met / tw.completions if tw.completions else math.nan,
                 "mean_distortion": tw.mean_distortion,
             }
+        self.replica_gauges, self.replica_thresholds = {}, {}
+        for report in window.replicas:
+            rid = str(report.get("replica_id"))
+            self.replica_gauges[rid] = {
+                key: float(report[key]) for key in ("queue_depth", "in_flight", "running", "draft_length")
+                if isinstance(report.get(key), int | float)
+            }
+            self.replica_gauges[rid]["failsafe"] = 1.0 if report.get("failsafe") else 0.0
+            age = report.get("last_update_age_s")
+            if isinstance(age, int | float):
+                self.replica_gauges[rid]["control_update_age_seconds"] = float(age)
+            self.replica_thresholds[rid] = {str(t): float(v) for t, v in (report.get("thresholds") or {}).items()}
 
     def render(self) -> bytes:
         registry = CollectorRegistry(auto_describe=False)
@@ -144,13 +161,31 @@ class _Collector:
             g = GaugeMetricFamily(f"fsd_{key}", f"last control window: {key.replace('_', ' ')}")
             g.add_metric([], float(value))
             yield g
-        for key, help_text in (("slo_attainment", "share of the window's requests that met the tier's SLO"),
-                               ("goodput", "SLO-meeting completions per second in the last window"),
+        for key, help_text in (("slo_attainment_ratio", "share (0-1) of the window's requests that met the tier's SLO"),
                                ("mean_distortion", "mean per-token distortion in the last window")):
             g = GaugeMetricFamily(f"fsd_tier_{key}", help_text, labels=["tier"])
             for tier, values in sorted(s.tier_gauges.items()):
                 g.add_metric([tier], values[key])
             yield g
+        replica_help = {
+            "queue_depth": "requests waiting for a batch slot on this replica",
+            "in_flight": "requests admitted by this replica (waiting + running)",
+            "running": "sequences in this replica's running batch",
+            "draft_length": "draft length k this replica runs",
+            "failsafe": "1 while this replica runs its safe T because the controller went quiet",
+            "control_update_age_seconds": "time since this replica last heard from the controller",
+        }
+        for key, help_text in replica_help.items():
+            g = GaugeMetricFamily(f"fsd_replica_{key}", help_text, labels=["replica"])
+            for rid, values in sorted(s.replica_gauges.items()):
+                if key in values:
+                    g.add_metric([rid], values[key])
+            yield g
+        rt = GaugeMetricFamily("fsd_replica_threshold", "T this replica applies per tier", labels=["replica", "tier"])
+        for rid, tiers in sorted(s.replica_thresholds.items()):
+            for tier, value in sorted(tiers.items()):
+                rt.add_metric([rid, tier], value)
+        yield rt
         for metric in _METRICS:
             h = HistogramMetricFamily(f"fsd_{metric}_seconds", f"{metric.upper()} of finished requests",
                                       labels=["tier"])

@@ -4,6 +4,10 @@ No config file ⇒ the default pair (smollm2-135m), ``SLOSpec.default()`` and th
 wrapped in QualityGuard + FailSafe) on 127.0.0.1:8000. With ``--address`` (or ``$RAY_ADDRESS``) the app
 is deployed onto that existing cluster; otherwise a local one is started (``ray.num_cpus`` CPUs).
 Runs until Ctrl-C / SIGTERM, then tears everything it started down.
+
+Checked before Ray starts, each failing with one line naming the problem and exit code 2: the config
+(missing, a directory, unreadable, not YAML, an invalid field), the HTTP port (already in use, local
+cluster only), the model pair (unknown name; for a local cluster also not fetched / not on disk).
 """
 
 from __future__ import annotations
@@ -27,18 +31,91 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=handle)
 
 
+def _one_line(message: str) -> str:
+    # YAML and pydantic messages span lines; a CLI error is one line (grep-able, log-friendly).
+    return " ".join(message.split())
+
+
 def config_with_overrides(path: str | None, **overrides: Any) -> Any:
     """Load the config and apply CLI overrides (re-validated, so bad values still name the field)."""
+    from pathlib import Path
+
     from controller.config import load_config, parse_config
 
-    data = load_config(path).model_dump(mode="json")
+    if path is not None and Path(path).is_dir():
+        raise ValueError(f"config {path!r} is a directory, not a YAML file")
+    try:
+        data = load_config(path).model_dump(mode="json")
+    except OSError as exc:  # exists but unreadable (permissions, I/O)
+        raise ValueError(f"config file {path!r} is not readable: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        message = _one_line(str(exc))
+        if path is not None and path not in message:  # say which file the bad field is in
+            message = f"{path}: {message}"
+        raise ValueError(message) from None
     if overrides.get("port") is not None:
         data["http"]["port"] = overrides["port"]
     if overrides.get("host") is not None:
         data["http"]["host"] = overrides["host"]
     if overrides.get("pair") is not None:
         data["model"]["pair"] = overrides["pair"]
-    return parse_config(data)
+    try:
+        return parse_config(data)
+    except ValueError as exc:
+        raise ValueError(_one_line(str(exc))) from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError if something already listens on host:port (Serve's proxy would fail to bind it)."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR: a port in TIME_WAIT is free to a server; only a live listener makes bind fail.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"port {port} on {host} is not available ({exc.strerror or exc}); "
+                             "stop what uses it or pass --port") from None
+
+
+def check_pair_available(pair: str, local: bool) -> None:
+    """ValueError naming the pair if it is unknown, or (on a local cluster) not fetched / not on disk."""
+    if pair == "tiny":
+        return
+    if "," in pair:  # "target,draft" paths or hub ids: must be on disk or in the offline HF cache
+        if local:
+            for source in (part.strip() for part in pair.split(",", 1)):
+                if not _model_source_present(source):
+                    raise ValueError(f"model {source!r} of pair {pair!r} is neither a local path nor in the "
+                                     "local Hugging Face cache (the runtime never downloads)")
+        return
+    from decoder import model_fetch
+    from decoder.models import SHIPPED_PAIRS
+
+    if pair not in SHIPPED_PAIRS:
+        raise ValueError(f"unknown model pair {pair!r}; known pairs: {', '.join(SHIPPED_PAIRS)}, tiny "
+                         "(or 'target_path,draft_path')")
+    if local:
+        status = model_fetch.pair_status(pair)
+        if not status.available:
+            raise ValueError(f"model pair {pair!r} is not available: {status.state}")
+
+
+def _model_source_present(source: str) -> bool:
+    from pathlib import Path
+
+    if Path(source).expanduser().exists():
+        return True
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(source, "config.json"), str)
+    except Exception:  # not a valid repo id either
+        return False
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -48,6 +125,9 @@ def handle(args: argparse.Namespace) -> int:
     address = resolve_address(args.address, cfg)
     if args.detach and not address:
         raise ValueError("--detach needs an existing cluster (--address or RAY_ADDRESS)")
+    if not address:  # on an existing cluster Serve's proxy may already (rightly) hold the port
+        check_port_free(cfg.http.host, cfg.http.port)
+    check_pair_available(cfg.model.pair, local=not address)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     service = Service(cfg, address=address)

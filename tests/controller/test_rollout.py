@@ -73,6 +73,8 @@ def _requests(n: int) -> list[dict[str, Any]]:
     for i in range(n):
         body: dict[str, Any] = {"max_tokens": [6, 12, 20][i % 3], "seed": i, "ignore_eos": i % 2 == 0,
                                 "stream": i % 4 == 1}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}  # usage rides on a final `choices: []` chunk
         tier = ["standard", "economy", "lossless", None][i % 4]
         if tier is not None:
             body["fsd"] = {"tier": tier}
@@ -93,10 +95,11 @@ async def _send(url: str, reqs: list[dict[str, Any]], gap_s: float) -> list[dict
             assert r.status_code == 200, r.text
             if req["body"]["stream"]:
                 events = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.startswith("data: {")]
-                final = events[-1]
+                usage = next(e["usage"] for e in events if e.get("usage"))
+                fsd = next(e["fsd"] for e in events if e.get("fsd"))
             else:
-                final = r.json()
-            return {"usage": final["usage"], "tier": final["fsd"]["tier"], "max_tokens": req["body"]["max_tokens"]}
+                usage, fsd = r.json()["usage"], r.json()["fsd"]
+            return {"usage": usage, "tier": fsd["tier"], "max_tokens": req["body"]["max_tokens"]}
 
         return list(await asyncio.gather(*(one(i, req) for i, req in enumerate(reqs))))
 

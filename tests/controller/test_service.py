@@ -129,7 +129,7 @@ def test_ignore_eos_decodes_exactly_max_tokens(client: httpx.Client) -> None:
         assert body["usage"]["completion_tokens"] == 40, f"seed {seed}: {body['usage']}"
         assert body["choices"][0]["finish_reason"] == "length"
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": "yes"})
-    assert r.status_code == 422 and "ignore_eos" in r.text
+    assert r.status_code == 400 and "ignore_eos" in r.text
 
 
 def test_chat_stream_matches_non_stream_on_lossless_tier(client: httpx.Client) -> None:
@@ -139,29 +139,34 @@ def test_chat_stream_matches_non_stream_on_lossless_tier(client: httpx.Client) -
             "temperature": 0.8, "seed": 7, "fsd": {"tier": "lossless"}}
     plain = client.post("/v1/chat/completions", json=body)
     assert plain.status_code == 200, plain.text
-    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    streamed = client.post("/v1/chat/completions",
+                           json={**body, "stream": True, "stream_options": {"include_usage": True}})
     assert streamed.status_code == 200
     assert streamed.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(streamed.text)
     assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(c["object"] == "chat.completion.chunk" for c in events[:-1])
+    # No role-only chunk before prefill: the first chunk carries the role and the first text.
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["choices"][0]["delta"]["content"]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     final = chunks[-1]
     assert final["choices"][0]["finish_reason"] in ("stop", "length")
     assert final["fsd"]["threshold"] == 0.0 and final["fsd"]["tier"] == "lossless"
-    assert final["usage"] == plain.json()["usage"]
+    assert all(c["usage"] is None for c in chunks)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == plain.json()["usage"]
     assert text == plain.json()["choices"][0]["message"]["content"]
 
 
 def test_completion_stream(client: httpx.Client) -> None:
-    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 10, "stream": True})
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 10, "stream": True,
+                                             "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     events = _sse_events(r.text)
     assert events[-1] == "[DONE]"
-    assert events[-2]["usage"]["completion_tokens"] >= 1
-    assert "fsd" in events[-2]
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] >= 1
+    assert "fsd" in events[-3] and events[-3]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_tier_from_header_and_body(client: httpx.Client) -> None:
@@ -182,30 +187,30 @@ BAD_REQUESTS = [
     ("/v1/completions", b"\xff\xfe\x00bad", {}, 400, "UTF-8"),
     ("/v1/completions", b"[1, 2]", {}, 400, "JSON object"),
     ("/v1/completions", b"", {}, 400, "empty"),
-    ("/v1/completions", json.dumps({"prompt": "", "max_tokens": 3}).encode(), {}, 422, "prompt"),
-    ("/v1/completions", json.dumps({"max_tokens": 3}).encode(), {}, 422, "prompt"),
-    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode(), {}, 422, "max_tokens"),
-    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -5}).encode(), {}, 422, "max_tokens"),
-    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), {}, 422, "max_tokens"),
-    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "5"}).encode(), {}, 422, "max_tokens"),
-    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', {}, 422, "temperature"),
-    ("/v1/completions", b'{"prompt": "x", "fsd": {"threshold": NaN}}', {}, 422, "fsd.threshold"),
-    ("/v1/completions", json.dumps({"prompt": "x", "temperature": "hot"}).encode(), {}, 422, "temperature"),
-    ("/v1/completions", json.dumps({"prompt": "x", "top_p": 0}).encode(), {}, 422, "top_p"),
-    ("/v1/completions", json.dumps({"prompt": "x", "fsd": {"tier": "gold"}}).encode(), {}, 422, "gold"),
-    ("/v1/completions", json.dumps({"prompt": "x"}).encode(), {"x-slo-tier": "platinum"}, 422, "platinum"),
+    ("/v1/completions", json.dumps({"prompt": "", "max_tokens": 3}).encode(), {}, 400, "prompt"),
+    ("/v1/completions", json.dumps({"max_tokens": 3}).encode(), {}, 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode(), {}, 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -5}).encode(), {}, 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), {}, 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "5"}).encode(), {}, 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', {}, 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "fsd": {"threshold": NaN}}', {}, 400, "fsd.threshold"),
+    ("/v1/completions", json.dumps({"prompt": "x", "temperature": "hot"}).encode(), {}, 400, "temperature"),
+    ("/v1/completions", json.dumps({"prompt": "x", "top_p": 0}).encode(), {}, 400, "top_p"),
+    ("/v1/completions", json.dumps({"prompt": "x", "fsd": {"tier": "gold"}}).encode(), {}, 400, "gold"),
+    ("/v1/completions", json.dumps({"prompt": "x"}).encode(), {"x-slo-tier": "platinum"}, 400, "platinum"),
     ("/v1/completions", json.dumps({"prompt": "x", "fsd": {"tier": "standard", "threshold": 3.0}}).encode(), {},
-     422, "outside tier 'standard' bounds"),
+     400, "outside tier 'standard' bounds"),
     ("/v1/completions", json.dumps({"prompt": "x", "fsd": {"tier": "lossless", "threshold": 0.5}}).encode(), {},
-     422, "outside tier 'lossless' bounds"),
-    ("/v1/completions", json.dumps({"prompt": "x", "fsd": {"threshold": -1}}).encode(), {}, 422, "fsd.threshold"),
-    ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode(), {}, 422, "n"),
+     400, "outside tier 'lossless' bounds"),
+    ("/v1/completions", json.dumps({"prompt": "x", "fsd": {"threshold": -1}}).encode(), {}, 400, "fsd.threshold"),
+    ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode(), {}, 400, "n"),
     ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), {}, 404, "gpt-4"),
     ("/v1/completions", json.dumps({"prompt": "x" * 600, "max_tokens": 8}).encode(), {}, 400, "context"),
-    ("/v1/chat/completions", json.dumps({"messages": []}).encode(), {}, 422, "messages"),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), {}, 422, "content"),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": ""}]}).encode(), {}, 422, "empty"),
-    ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), {}, 422, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": []}).encode(), {}, 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), {}, 400, "content"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": ""}]}).encode(), {}, 400, "empty"),
+    ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), {}, 400, "messages"),
 ]
 
 
@@ -245,9 +250,9 @@ def test_live_slo_change_is_validated_then_applied(client: httpx.Client) -> None
     before = _status(client)["slo"]
     bad = {"tiers": {"standard": {"tpot_ms": -1}}, "default_tier": "standard"}
     r = client.put("/v1/fsd/slo", json=bad, headers=AUTH)
-    assert r.status_code == 422 and "tiers.standard.tpot_ms" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "tiers.standard.tpot_ms" in r.json()["error"]["message"]
     r = client.put("/v1/fsd/slo", json={"tiers": {"a": {}}, "default_tier": "b"}, headers=AUTH)
-    assert r.status_code == 422 and "default_tier" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "default_tier" in r.json()["error"]["message"]
     assert _status(client)["slo"] == before, "an invalid SLO must not be applied"
 
     new = json.loads(json.dumps(DEFAULT_SLO))
@@ -257,16 +262,16 @@ def test_live_slo_change_is_validated_then_applied(client: httpx.Client) -> None
     assert applied["slo"]["tiers"]["economy"]["tpot_ms"] == 90.0
     # Replicas enforce the new bounds on per-request thresholds within a tick or two.
     _wait(lambda: client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
-                                                       "fsd": {"tier": "economy", "threshold": 3.0}}).status_code == 422,
+                                                       "fsd": {"tier": "economy", "threshold": 3.0}}).status_code == 400,
           10, "replicas to enforce the new economy ceiling")
     _set_slo(client, DEFAULT_SLO)
 
 
 def test_policy_change_and_shadow_mode(client: httpx.Client) -> None:
     r = client.put("/v1/fsd/policy", json={"policy": "pid", "kp": "fast"}, headers=AUTH)
-    assert r.status_code == 422 and "pid.kp" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "pid.kp" in r.json()["error"]["message"]
     r = client.put("/v1/fsd/policy", json={"policy": "nonesuch"}, headers=AUTH)
-    assert r.status_code == 422 and "unknown policy" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "unknown policy" in r.json()["error"]["message"]
 
     _set_policy(client, {"policy": "static", "thresholds": {"standard": 0.25, "economy": 1.5}, "guards": False})
     _set_policy(client, {"policy": "static", "thresholds": {"standard": 0.9, "economy": 3.0}, "guards": False},
@@ -302,9 +307,12 @@ def test_metrics_are_prometheus_text_and_exact(client: httpx.Client) -> None:
     completions = next(s.value for s in families["fsd_completions"].samples if s.name == "fsd_completions_total")
     hist_count = sum(s.value for s in families["fsd_e2e_seconds"].samples if s.name == "fsd_e2e_seconds_count")
     assert completions >= 3 and hist_count == completions, "every finished request lands in the histogram"
-    for name in ("fsd_queue_depth", "fsd_acceptance_rate", "fsd_tier_slo_attainment", "fsd_tier_goodput",
+    for name in ("fsd_queue_depth", "fsd_acceptance_ratio", "fsd_tier_slo_attainment_ratio",
                  "fsd_tpot_seconds", "fsd_ttft_seconds", "fsd_mean_distortion"):
         assert name in families, name
+    # Per-replica values carry Serve's replica id, the label ray_serve_* metrics use too.
+    replica_ids = {s["replica_id"] for s in _replica_stats()}
+    assert {s.labels["replica"] for s in families["fsd_replica_in_flight"].samples} == replica_ids
 
 
 # ---- load: back-pressure, closed loop ------------------------------------------------------------
@@ -375,7 +383,7 @@ def test_closed_loop_raises_t_under_load_and_lowers_it_after(service: str, clien
     # Back to the default SLO: the e2e PID cannot be rebuilt against it (no e2e target), so the
     # service rightly refuses the SLO until the policy is changed first.
     r = client.put("/v1/fsd/slo", json=DEFAULT_SLO, headers=AUTH)
-    assert r.status_code == 422 and "e2e" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "e2e" in r.json()["error"]["message"]
     _set_policy(client, {"policy": "static", "thresholds": 0.0})
     _set_slo(client, DEFAULT_SLO)
     _set_policy(client, {"policy": "pid"})

@@ -142,7 +142,7 @@ def test_metrics_render_is_exact_prometheus() -> None:
     assert e2e[("fsd_e2e_seconds_bucket", "3.0")] == 2.0
     assert e2e[("fsd_e2e_seconds_count", None)] == 2.0
     assert e2e[("fsd_e2e_seconds_sum", None)] == pytest.approx(2.62)
-    att = {s.labels["tier"]: s.value for s in fams["fsd_tier_slo_attainment"].samples}
+    att = {s.labels["tier"]: s.value for s in fams["fsd_tier_slo_attainment_ratio"].samples}
     assert att["standard"] == pytest.approx(0.5)
 
 

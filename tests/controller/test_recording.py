@@ -81,7 +81,7 @@ def test_request_recording_statuses_and_no_text(tmp_path: Path) -> None:
     cut.observe({"type": "delta", "text": "y"})
     cut.close()  # the client went away before the end chunk
     RequestRecording.for_payload(rec, payload, cfg).refused(503)
-    RequestRecording.for_payload(rec, payload, cfg).refused(422)  # invalid: not traffic, not recorded
+    RequestRecording.for_payload(rec, payload, cfg).refused(400)  # invalid: not traffic, not recorded
     RequestRecording.for_payload(rec, payload, cfg).refused(500)
     rec.close()
     text = (tmp_path / "r.csv").read_text()

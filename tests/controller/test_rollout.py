@@ -199,5 +199,5 @@ def test_record_replay_shadow_promote(rollout_service: tuple[str, Path], tmp_pat
         history = client.get("/v1/fsd/status", params={"history": 10_000}).json()["history"]
         assert sum(1 for h in history if (h.get("event") or {}).get("kind") == "promote") == 1
         r = client.post("/v1/fsd/policy/promote", headers=AUTH)  # nothing left in shadow
-        assert r.status_code == 422 and "no shadow policy" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "no shadow policy" in r.json()["error"]["message"]
     capsys.readouterr()

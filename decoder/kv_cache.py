@@ -23,8 +23,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-# Room added whenever the buffers grow, so that decoding does not reallocate every iteration.
+# Buffers grow geometrically (x1.5, at least this many slots), so copying stays linear in the length.
 _GROWTH_SLOTS = 64
+_GROWTH_FACTOR = 1.5
+
+
+def _grown_capacity(needed: int, current: int) -> int:
+    return max(needed + _GROWTH_SLOTS, int(current * _GROWTH_FACTOR))
 
 
 class _SlotLayer(DynamicLayer):
@@ -97,7 +102,8 @@ class BatchKVCache(Cache):
         q = key_states.shape[2]
         end = self.length + q
         if layer.keys is None or layer.keys.shape[2] < end:
-            self._grow_layer(layer, key_states, value_states, end + _GROWTH_SLOTS)
+            current = 0 if layer.keys is None else layer.keys.shape[2]
+            self._grow_layer(layer, key_states, value_states, _grown_capacity(end, current))
         assert layer.keys is not None and layer.values is not None
         layer.keys[:, :, self.length : end] = key_states
         layer.values[:, :, self.length : end] = value_states
@@ -123,12 +129,13 @@ class BatchKVCache(Cache):
         layer.is_initialized = True
 
     # ------------------------------------------------------------- rollback
-    def reject_tail(self, num_slots: int, keep: torch.Tensor) -> None:
+    def reject_tail(self, num_slots: int, keep: torch.Tensor | list[int]) -> None:
         """Roll back part of the last ``num_slots`` slots.
 
-        ``keep``: ``[batch]`` long, how many of those slots each row keeps (from the left); the rest
-        become holes. Trailing slots that no row keeps are cropped.
+        ``keep``: ``[batch]`` (a tensor or host list), how many of those slots each row keeps (from the
+        left); the rest become holes. Trailing slots that no row keeps are cropped.
         """
+        keep = torch.as_tensor(keep, dtype=torch.long).to(self.device)
         start = self.length - num_slots
         offsets = torch.arange(num_slots, device=self.device)
         tail = self.valid[:, start:] & (offsets[None, :] < keep[:, None])
@@ -176,7 +183,7 @@ class BatchKVCache(Cache):
     def append_rows(self, other: BatchKVCache) -> None:
         """Append ``other``'s rows after this cache's rows, aligning both to the right."""
         new_length = max(self.length, other.length)
-        capacity = new_length + _GROWTH_SLOTS
+        capacity = _grown_capacity(new_length, 0)
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             ref = mine if mine.keys is not None else theirs
             if ref.keys is None or ref.values is None:

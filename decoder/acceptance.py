@@ -201,7 +201,7 @@ class VerifyResult:
 
 
 def _per_row_threshold(threshold: float | Tensor, batch: int, device: torch.device) -> Tensor:  # -> [B]
-    t = torch.as_tensor(threshold, dtype=torch.float32)
+    t = torch.as_tensor(threshold, dtype=torch.float32).cpu()  # validated on the host (a caller's host tensor: no sync)
     if t.dim() == 0:
         t = t.expand(batch)
     if t.shape != (batch,):
@@ -308,7 +308,9 @@ def verify_block(
             f"{tuple(draft_probs.shape)}, target {tuple(target_div_logits.shape)}"
         )
     device = target_probs.device
-    thresholds = _per_row_threshold(threshold, batch, device)
+    thresholds = _per_row_threshold(threshold, batch, torch.device("cpu"))
+    any_fuzzy = bool((thresholds > 0).any())  # host decision: with every T = 0 no divergence is computed
+    thresholds = thresholds.to(device)
     greedy_rows = _per_row_greedy(greedy, batch, device)
     lengths = _per_row_lengths(draft_lengths, batch, k)
     if uniforms is None:
@@ -318,7 +320,7 @@ def verify_block(
     return _verify_block_from_uniforms(
         target_probs, draft_probs, draft_tokens, thresholds, greedy_rows, div, rule, uniforms.to(device),
         draft_lengths=None if draft_lengths is None else torch.tensor(lengths, device=device),
-        target_div_logits=target_div_logits, draft_div_logits=draft_div_logits,
+        target_div_logits=target_div_logits, draft_div_logits=draft_div_logits, any_fuzzy=any_fuzzy,
     )
 
 
@@ -352,6 +354,7 @@ def _verify_block_from_uniforms(
     draft_lengths: Tensor | None = None,  # [B] int64 k_b on the same device (None: all k)
     target_div_logits: Tensor | None = None,  # [B, >=k, V]
     draft_div_logits: Tensor | None = None,  # [B, k, V]
+    any_fuzzy: bool = True,  # False: the caller knows every threshold is 0 (skips D and distortion, no sync)
 ) -> VerifyResult:
     """Vectorised verify: no loop over rows or positions."""
     p_all = target_probs.float()
@@ -378,7 +381,8 @@ def _verify_block_from_uniforms(
     fuzzy_possible = in_block & (t > 0)  # [B, k]
     decides = standard_ok if rule == "reducible" else (g & standard_ok)
     d = torch.full((batch, k), math.nan, device=device)
-    _divergence_at(fuzzy_possible & ~decides, d, p, q, x, target_div_logits, draft_div_logits, div)
+    if any_fuzzy:
+        _divergence_at(fuzzy_possible & ~decides, d, p, q, x, target_div_logits, draft_div_logits, div)
     fuzzy = (d <= t) & fuzzy_possible  # NaN (not computed) compares False
 
     # pure: only the fuzzy test, except that greedy rows also accept x == argmax p (rejecting it would emit
@@ -403,7 +407,9 @@ def _verify_block_from_uniforms(
     # Greedy rows: the emitted point mass differs from argmax p exactly at fuzzy-accepted positions.
     distortion = torch.where(g & fuzzy_accepted, 1.0, distortion)
     sampled_charge = fuzzy_possible & ~g & reached  # [B, k] positions whose law may differ from p
-    if div == "draft_tokens":
+    if not any_fuzzy:
+        pass
+    elif div == "draft_tokens":
         _draft_token_distortion(sampled_charge, distortion, p, q, t, target_div_logits, draft_div_logits, rule)
     else:
         # F is the same for every drafted token: the law is q where D <= T (always accepted), else p. A

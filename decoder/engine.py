@@ -450,7 +450,8 @@ class FSDEngine:
         return out.logits
 
     def _padded(self, sequences: list[list[int]], width: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [B, width] and their valid mask, built on the host and moved to the model's device once."""
+        """Token ids [B, width] on the model's device (one copy) and their valid mask on the host (the caches
+        keep their bookkeeping there)."""
         feed = torch.zeros(len(sequences), width, dtype=torch.long)
         valid = torch.zeros(len(sequences), width, dtype=torch.bool)
         for b, seq in enumerate(sequences):
@@ -458,7 +459,7 @@ class FSDEngine:
                 cols = slice(width - len(seq), width) if left else slice(0, len(seq))
                 feed[b, cols] = torch.tensor(seq)
                 valid[b, cols] = True
-        return feed.to(self.device), valid.to(self.device)
+        return feed.to(self.device), valid
 
     def _admit(self) -> tuple[float, int]:
         """Prefill every request that fits, together, and merge them into the batch caches."""
@@ -527,7 +528,7 @@ class FSDEngine:
         width = max(len(r.draft_unseen) for r in running)
         feed, valid = self._padded([r.draft_unseen for r in running], width, left=True)
         # Later forwards feed row b's previous draft while it still has drafts to make.
-        still_drafting = torch.tensor([[n > i for i in range(1, k)] for n in lengths], dtype=torch.bool).to(self.device)
+        still_drafting = torch.tensor([[n > i for i in range(1, k)] for n in lengths], dtype=torch.bool)  # host
         probs_steps, token_steps, logit_steps = [], [], []
         for i in range(k):
             logits = self._forward(self.draft, self._draft_cache, feed, valid, logits_to_keep=1)[:, -1].float()
@@ -553,10 +554,10 @@ class FSDEngine:
         pending = torch.tensor([[r.pending] for r in running], dtype=torch.long).to(self.device)
         if draft_tokens is None:
             feed = pending
-            valid = torch.ones_like(feed, dtype=torch.bool)
+            valid = torch.ones(len(running), 1, dtype=torch.bool)  # host, like every valid mask
         else:
             feed = torch.cat([pending, draft_tokens], dim=1)
-            valid = torch.tensor([[j <= n for j in range(k + 1)] for n in lengths], dtype=torch.bool).to(self.device)
+            valid = torch.tensor([[j <= n for j in range(k + 1)] for n in lengths], dtype=torch.bool)
         return self._forward(self.target, self._target_cache, feed, valid).float()
 
     def _rollback(self, num_accepted: list[int], lengths: list[int], k: int) -> None:
@@ -668,9 +669,8 @@ class FSDEngine:
     def _drop_rows(self, indices: list[int]) -> None:
         drop = set(indices)
         keep = [i for i in range(len(self._running)) if i not in drop]
-        index = torch.tensor(keep, dtype=torch.long).to(self.device)
-        self._target_cache.select_rows(index)
-        self._draft_cache.select_rows(index)
+        self._target_cache.select_rows(keep)
+        self._draft_cache.select_rows(keep)
         self._running = [self._running[i] for i in keep]
 
     @staticmethod

@@ -57,6 +57,8 @@ _MIN_HOLES = 64
 # Output tokens kept in the decoded window of the incremental stop-string check, beyond the longest stop
 # string (slack for tokenizers whose decoding of a token depends on its neighbours).
 _STOP_WINDOW_TOKENS = 8
+# A row at k = 0 rides along in other rows' first draft forward while its draft backlog is this short.
+_MAX_PASSIVE_UNSEEN = 2
 
 
 class PairLike(Protocol):
@@ -238,6 +240,7 @@ class FSDEngine:
         self._running: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._aborted_unreported: list[_Request] = []
+        self._draft_fed: list[bool] = []  # per running row: fed to the draft's first forward this step
         self._target_cache = self._new_cache(self.target, 0)
         self._draft_cache = self._new_cache(self.draft, 0)
 
@@ -469,17 +472,23 @@ class FSDEngine:
         if not joining:
             return 0.0, 0
         start = time.perf_counter()
-        # Prefill all but the last prompt token (see the invariants), left-padded to a common width.
-        width = max(len(r.prompt_ids) - 1 for r in joining)
-        feed, valid = self._padded([r.prompt_ids[:-1] for r in joining], width, left=True)
-        for model, batch_cache in ((self.target, self._target_cache), (self.draft, self._draft_cache)):
+        # Prefill all but the last prompt token (see the invariants), left-padded to a common width. A
+        # request that joins with k = 0 skips the draft prefill: its whole prompt stays "unseen" by the
+        # draft and is fed only if it ever drafts (plain decoding must not pay for a draft).
+        drafting = [self._row_draft_length(r) > 0 for r in joining]
+        for model, batch_cache, prefixes in (
+            (self.target, self._target_cache, [r.prompt_ids[:-1] for r in joining]),
+            (self.draft, self._draft_cache, [r.prompt_ids[:-1] if d else [] for r, d in zip(joining, drafting, strict=True)]),
+        ):
+            width = max(len(p) for p in prefixes)
             joining_cache = self._new_cache(model, len(joining))
             if width:
+                feed, valid = self._padded(prefixes, width, left=True)
                 self._forward(model, joining_cache, feed, valid, logits_to_keep=1)
             batch_cache.append_rows(joining_cache)
-        for r in joining:
+        for r, d in zip(joining, drafting, strict=True):
             r.pending = r.prompt_ids[-1]
-            r.draft_unseen = [r.prompt_ids[-1]]
+            r.draft_unseen = [r.prompt_ids[-1]] if d else list(r.prompt_ids)
             self._running.append(r)
         return time.perf_counter() - start, sum(len(r.prompt_ids) for r in joining)
 
@@ -523,10 +532,14 @@ class FSDEngine:
         temperature = sampling[0]
         greedy_rows = (temperature == 0).to(self.device)
         all_greedy = bool((temperature == 0).all())
-        # The first forward feeds the tokens the draft has not seen (rows with k_b = 0 too: it keeps their
-        # draft cache current), left-padded to a common width.
-        width = max(len(r.draft_unseen) for r in running)
-        feed, valid = self._padded([r.draft_unseen for r in running], width, left=True)
+        # The first forward feeds the tokens the draft has not seen, left-padded to a common width: every
+        # drafting row's, and a k_b = 0 row's while they are few (it keeps its draft cache current for
+        # free; a long backlog, e.g. a whole prompt, waits until the row drafts itself).
+        fed = [n > 0 or len(r.draft_unseen) <= _MAX_PASSIVE_UNSEEN for r, n in zip(running, lengths, strict=True)]
+        unseen = [r.draft_unseen if f else [] for r, f in zip(running, fed, strict=True)]
+        width = max(len(u) for u in unseen)
+        feed, valid = self._padded(unseen, width, left=True)
+        self._draft_fed = fed
         # Later forwards feed row b's previous draft while it still has drafts to make.
         still_drafting = torch.tensor([[n > i for i in range(1, k)] for n in lengths], dtype=torch.bool)  # host
         probs_steps, token_steps, logit_steps = [], [], []
@@ -597,9 +610,9 @@ class FSDEngine:
             r.iterations += 1
             # Cache invariants for the next iteration.
             r.pending = tokens[-1]
-            if ran_draft:
+            if ran_draft and self._draft_fed[b]:
                 r.draft_unseen = ([drafts[k_b - 1]] if k_b > 0 and n == k_b else []) + [tokens[-1]]
-            else:  # no draft forward ran: the draft has still not seen what it had not seen before
+            else:  # the draft was not fed this row: it has still not seen what it had not seen before
                 r.draft_unseen = r.draft_unseen + [tokens[-1]]
             rows.append(
                 RowStats(

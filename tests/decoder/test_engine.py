@@ -241,12 +241,10 @@ def test_k0_greedy_is_plain_target_decoding_without_draft_forwards(pair: ModelPa
         engine = FSDEngine(pair, num_draft_tokens=0)
         engine.add_request("a", PROMPTS[0], greedy_params(20), threshold=0.5)
         engine.add_request("b", PROMPTS[2], greedy_params(12), threshold=0.0)
-        engine.step()  # admission: one prefill forward per model
-        prefill_calls = len(draft_calls)
         steps = engine.run_to_completion()
     finally:
         hook.remove()
-    assert len(draft_calls) == prefill_calls, "no draft forward may run when every row has k = 0"
+    assert draft_calls == [], "no draft forward (not even a prefill) may run when every row has k = 0"
     assert engine.output("a").token_ids == target_greedy(pair.target, PROMPTS[0], 20)
     assert engine.output("b").token_ids == target_greedy(pair.target, PROMPTS[2], 12)
     assert all(s.draft_length == 0 and all(r.draft_length == 0 and r.drafted == 0 for r in s.rows) for s in steps)
@@ -283,6 +281,8 @@ def test_per_row_k_changes_between_steps_and_stays_exact(pair: ModelPair) -> Non
         engine = FSDEngine(pair, num_draft_tokens=3)
         engine.add_request("x", PROMPTS[5], greedy_params(40), threshold=0.0)
         engine.add_request("s", PROMPTS[0], sampled(3, 30), threshold=0.4, draft_length=2)
+        # joins at k = 0 (no draft prefill), drafts from step 2: the draft catches up on prompt + output
+        engine.add_request("z", PROMPTS[2], greedy_params(30), threshold=0.0, draft_length=0)
         if with_neighbours:
             engine.add_request("n1", PROMPTS[1], sampled(4, 35), threshold=0.2)
             engine.add_request("n2", PROMPTS[2], greedy_params(30), threshold=0.0, draft_length=0)
@@ -292,13 +292,15 @@ def test_per_row_k_changes_between_steps_and_stays_exact(pair: ModelPair) -> Non
                 engine.set_draft_length(schedule[step], "x")
             if step == 2:
                 engine.set_draft_length(1)  # the default: moves "n1" only (the others have their own k)
+                engine.set_draft_length(3, "z")
             engine.step()
             step += 1
-        return engine.output("x").token_ids, engine.output("s").token_ids
+        return engine.output("x").token_ids, engine.output("s").token_ids, engine.output("z").token_ids
 
-    alone_x, alone_s = drive(False)
+    alone_x, alone_s, alone_z = drive(False)
     assert alone_x == target_greedy(pair.target, PROMPTS[5], 40)
-    assert drive(True) == (alone_x, alone_s)
+    assert alone_z == target_greedy(pair.target, PROMPTS[2], 30)
+    assert drive(True) == (alone_x, alone_s, alone_z)
 
 
 def test_kl_with_top_k_or_top_p_still_fuzzy_accepts(pair: ModelPair) -> None:

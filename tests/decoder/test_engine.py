@@ -395,6 +395,24 @@ def test_stop_string_truncates_text(pair: ModelPair) -> None:
     assert stop in pair.tokenizer.decode(out.token_ids) and stop not in pair.tokenizer.decode(out.token_ids[:-1])
 
 
+def test_stop_strings_are_checked_on_a_window_not_the_whole_output(pair: ModelPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each block decodes only the last (longest stop string + 8) tokens or so, not the whole output again.
+    decoded_lengths: list[int] = []
+    decode = pair.tokenizer.decode
+
+    def recording_decode(ids: list[int], **kwargs: object) -> str:
+        decoded_lengths.append(len(ids))
+        return str(decode(ids, **kwargs))
+
+    monkeypatch.setattr(pair.tokenizer, "decode", recording_decode)
+    engine = FSDEngine(pair, num_draft_tokens=4)
+    engine.add_request("r", PROMPTS[0], greedy_params(120, stop=("never-appears",)))
+    engine.run_to_completion()
+    longest_decode = max(decoded_lengths)  # before output(), which decodes the whole text once
+    assert len(engine.output("r").token_ids) == 120
+    assert longest_decode <= len("never-appears") + 8 + 5, longest_decode
+
+
 def test_abort_running_and_waiting(pair: ModelPair) -> None:
     engine = FSDEngine(pair, max_batch_size=2)
     engine.add_request("a", PROMPTS[0], greedy_params(30))

@@ -1,9 +1,11 @@
-"""Decoder benchmark: target-only vs SD vs FSD sweeps vs HF assisted generation, on one model pair.
+"""Decoder benchmark: target alone vs our k = 0 vs SD vs FSD sweeps vs HF assisted generation, on one pair.
 
 Every setting decodes the same fixed prompts one at a time (batch size 1, eos ignored so every
 setting emits the same number of tokens) and reports tokens/s, acceptance, tokens per iteration,
 mean distortion, draft/verify time per iteration and efficiency (defined in the JSON's
-``definitions``). Prints one JSON document and writes it to ``--out``.
+``definitions``). Settings are interleaved per prompt (prompt-major), so a load change on a shared
+machine hits every setting alike; ``summary`` holds the ratios the decoder targets are stated in.
+Prints one JSON document and writes it to ``--out``.
 
     python benchmarks/decoder_bench.py --quick                 # tiny random pair, seconds
     python benchmarks/decoder_bench.py --pair smollm2-135m     # the full run (tens of minutes on 2 cores)
@@ -55,8 +57,12 @@ DEFINITIONS = {
     "mean_distortion": "sum over emitted positions of TV(p,q)*1[D<=T], per generated token",
     "t_draft_single_s": "median time of one 1-token draft forward with a KV cache (HF DynamicCache)",
     "t_verify_s": "median time of one (k+1)-token target forward with a KV cache (HF DynamicCache)",
+    "t_target_single_s": "median time of one 1-token target forward with a KV cache (HF DynamicCache)",
     "efficiency": "decode_tokens_per_s / (tokens_per_iteration / (k * t_draft_single_s + t_verify_s)): "
-    "achieved speed over what the measured raw forward times allow at the achieved acceptance",
+    "achieved speed over what the measured raw forward times allow at the achieved acceptance "
+    "(k = 0 and target alone: over 1 / t_target_single_s); 1 - efficiency is the loop overhead",
+    "k0_vs_target_only": "tokens_per_s of our engine at k = 0 / tokens_per_s of the plain target loop (target >= 0.98)",
+    "sd_vs_hf_assisted": "tokens_per_s of our SD (T = 0) / HF assisted generation, same k and draft (target >= 1.25)",
 }
 
 
@@ -67,10 +73,11 @@ class Setting:
     threshold: float = 0.0
     div: str = "kl"
     rule: str = "reducible"
+    k: int | None = None  # None: --k
 
 
 def build_settings(thresholds: list[float], divs: list[str], pure_thresholds: list[float], hf: bool) -> list[Setting]:
-    settings = [Setting("target_only", "target_only"), Setting("sd", "engine", 0.0)]
+    settings = [Setting("target_only", "target_only"), Setting("k0", "engine", 0.0, k=0), Setting("sd", "engine", 0.0)]
     for div in divs:
         settings += [Setting(f"fsd_{div}_T{t:g}", "engine", t, div) for t in thresholds]
     settings += [Setting(f"fsd_kl_pure_T{t:g}", "engine", t, "kl", "pure") for t in pure_thresholds]
@@ -169,7 +176,11 @@ def forward_times(pair: Any, prompt: list[int], k: int, reps: int) -> dict[str, 
             cache.crop(-width)
         return statistics.median(samples[1:])  # the first call warms up
 
-    return {"t_draft_single_s": timed(pair.draft, 1), "t_verify_s": timed(pair.target, k + 1)}
+    return {
+        "t_draft_single_s": timed(pair.draft, 1),
+        "t_verify_s": timed(pair.target, k + 1),
+        "t_target_single_s": timed(pair.target, 1),
+    }
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -186,27 +197,52 @@ def summarize(setting: Setting, runs: list[dict[str, float]], k: int, times: dic
         "tokens_per_s": tokens / elapsed,
         "decode_tokens_per_s": tokens / (elapsed - prefill) if prefill and elapsed > prefill else None,
     }
+    if setting.kind == "target_only" and row["decode_tokens_per_s"]:
+        row["efficiency"] = row["decode_tokens_per_s"] * times["t_target_single_s"]
     if setting.kind != "engine":
         return row
+    k = setting.k if setting.k is not None else k
     iterations = sum(r["iterations"] for r in runs)
     drafted = sum(r["drafted"] for r in runs)
     per_iter = tokens / iterations
-    ideal = per_iter / (k * times["t_draft_single_s"] + times["t_verify_s"])
+    # k = 0: one target forward of one token per iteration (the bound of plain decoding).
+    iteration_time = k * times["t_draft_single_s"] + times["t_verify_s"] if k else times["t_target_single_s"]
+    ideal = per_iter / iteration_time
     row.update(
         threshold=setting.threshold,
         div=setting.div,
         rule=setting.rule,
         k=k,
-        acceptance_rate=sum(r["accepted"] for r in runs) / drafted,
+        acceptance_rate=sum(r["accepted"] for r in runs) / drafted if drafted else None,
         fuzzy_accepted=sum(r["fuzzy_accepted"] for r in runs),
         tokens_per_iteration=per_iter,
         mean_distortion=sum(r["distortion"] for r in runs) / tokens,
         draft_time_per_iteration_s=sum(r["draft_s"] for r in runs) / iterations,
         verify_time_per_iteration_s=sum(r["verify_s"] for r in runs) / iterations,
         ideal_decode_tokens_per_s=ideal,
-        efficiency=row["decode_tokens_per_s"] / ideal,
+        efficiency=row["decode_tokens_per_s"] / ideal if row["decode_tokens_per_s"] else None,
     )
     return row
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the decoder targets are stated in (None where a setting was not run)."""
+    by_name = {r["setting"]: r for r in rows}
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in by_name and b in by_name:
+            return float(by_name[a]["tokens_per_s"] / by_name[b]["tokens_per_s"])
+        return None
+
+    fsd = [r for r in rows if r["setting"].startswith("fsd_")]
+    return {
+        "k0_vs_target_only": ratio("k0", "target_only"),
+        "sd_vs_hf_assisted": ratio("sd", "hf_assisted"),
+        "sd_vs_target_only": ratio("sd", "target_only"),
+        "fsd_vs_sd": {r["setting"]: ratio(r["setting"], "sd") for r in fsd},
+        "fsd_mean_distortion": {r["setting"]: r["mean_distortion"] for r in fsd},
+        "efficiency": {r["setting"]: r.get("efficiency") for r in rows if r.get("efficiency") is not None},
+    }
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -297,31 +333,34 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "device": "cpu",
+        "load_average_at_start": os.getloadavg(),
         "load_s": load_s,
         "forward_times": times,
         "definitions": DEFINITIONS,
         "modes": {},
     }
+    report["summary"] = {}
     for mode in modes:
-        rows = []
-        for setting in settings:
-            runs = []
-            for i, prompt in enumerate(prompts):
-                params = SamplingParams(
-                    temperature=0.0 if mode == "greedy" else 0.7,
-                    max_new_tokens=args.max_new_tokens,
-                    eos_token_ids=(),
-                    seed=1000 + i,
-                )
+        runs_by_setting: dict[str, list[dict[str, float]]] = {s.name: [] for s in settings}
+        for i, prompt in enumerate(prompts):  # prompt-major: settings interleaved in time
+            params = SamplingParams(
+                temperature=0.0 if mode == "greedy" else 0.7,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_ids=(),
+                seed=1000 + i,
+            )
+            for setting in settings:
                 if setting.kind == "target_only":
-                    runs.append(run_target_only(pair, prompt, params))
+                    run = run_target_only(pair, prompt, params)
                 elif setting.kind == "hf_assisted":
-                    runs.append(run_hf_assisted(pair, prompt, params, args.k))
+                    run = run_hf_assisted(pair, prompt, params, args.k)
                 else:
-                    runs.append(run_engine(pair, prompt, params, setting, args.k))
-            row = summarize(setting, runs, args.k, times)
-            rows.append(row)
-            print(f"[{mode}] {setting.name}: {row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+                    run = run_engine(pair, prompt, params, setting, setting.k if setting.k is not None else args.k)
+                runs_by_setting[setting.name].append(run)
+                print(f"[{mode}] prompt {i} {setting.name}: {run['tokens'] / run['time_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        rows = [summarize(s, runs_by_setting[s.name], args.k, times) for s in settings]
         baseline = {r["setting"]: r["tokens_per_s"] for r in rows}
         for row in rows:
             if "target_only" in baseline:
@@ -329,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             if "hf_assisted" in baseline:
                 row["speedup_vs_hf_assisted"] = row["tokens_per_s"] / baseline["hf_assisted"]
         report["modes"][mode] = rows
+        report["summary"][mode] = ratios(rows)
 
     text = json.dumps(report, indent=2)
     print(text)

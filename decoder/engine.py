@@ -4,12 +4,15 @@ One iteration (:meth:`FSDEngine.step`) over the running rows:
 
 1. **Admit** waiting requests up to ``max_batch_size``: prefill each prompt (all but its last token)
    alone on both models, then merge its KV into the batch caches (:mod:`decoder.kv_cache`).
-2. **Draft** ``k`` tokens per row with ``k`` batched single-position draft forwards. The first one also
+2. **Draft** ``k_b`` tokens for each row b (its own draft length, 0 included) with ``max k_b`` batched
+   single-position draft forwards; a row that has drafted its k_b feeds padding. The first forward also
    feeds what the draft has not seen yet (the last emitted token, plus the last draft token when the
-   previous block was fully accepted), so it is 1 or 2 positions wide, left-padded per row.
-3. **Verify** with one target forward over ``k + 1`` positions per row: the token the target has not
-   seen (the last emitted one) and the ``k`` drafts. :func:`decoder.acceptance.verify_block` decides,
-   per row at that row's own threshold T, how many drafts are accepted and the next token.
+   previous block was fully accepted; more after steps without any draft forward), left-padded per row.
+   When every row has k_b = 0 no draft forward runs at all.
+3. **Verify** with one target forward over ``k_b + 1`` positions per row (right-padded to ``max k_b + 1``):
+   the token the target has not seen (the last emitted one) and the row's drafts.
+   :func:`decoder.acceptance.verify_block` decides, per row at that row's own threshold T, how many drafts
+   are accepted and the next token. A row with k_b = 0 is plain target decoding.
 4. **Roll back** both caches: rejected slots become holes in the attention mask (nothing is
    re-encoded); slots no row keeps are cropped; holes are compacted away when they pile up.
 5. Emit tokens, apply eos / stop strings / ``max_new_tokens``; finished rows leave the batch.
@@ -18,8 +21,14 @@ Invariants per running row: the target cache holds every token of the sequence e
 (``pending``); the draft cache holds every token except ``draft_unseen`` (1 or 2 tokens).
 
 Sampling: each request has its own ``torch.Generator`` (seeded from ``SamplingParams.seed``, else from
-the engine's generator at admission), and every draw for a row comes from that generator alone, so a
-seeded request produces the same tokens whatever else shares its batch.
+the engine's generator at admission), and every draw for a row comes from that generator alone: ``2 k_b
++ 1`` uniforms per step (k_b draft draws, k_b acceptance tests, one recovered/bonus draw), drawn at once.
+k_b is the row's own draft length capped by the row's own context room, never by the batch, so a seeded
+request produces the same tokens whatever else shares its batch.
+
+Divergences are measured on the temperature-scaled, untruncated logits (temperature 1 for greedy rows);
+the acceptance test, residual and distortion use the top-k / top-p-truncated probabilities (see
+:mod:`decoder.acceptance`). No divergence is computed in a step where every drafting row has T = 0.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import torch
 from decoder.acceptance import DIVERGENCES, RULES, verify_block
 from decoder.kv_cache import BatchKVCache
 from decoder.sampling import greedy as greedy_token
-from decoder.sampling import sample, sampling_probs
+from decoder.sampling import sample_from_uniforms, sampling_probs
 
 __all__ = ["DIVERGENCES", "RULES", "FSDEngine", "RequestOutput", "RowStats", "SamplingParams", "StepStats"]
 
@@ -45,6 +54,11 @@ FINISH_REASONS = ("stop", "length", "abort")
 # Compact a cache when its holes exceed this fraction of its slots (and at least _MIN_HOLES).
 _COMPACT_HOLE_FRACTION = 0.25
 _MIN_HOLES = 64
+# Output tokens kept in the decoded window of the incremental stop-string check, beyond the longest stop
+# string (slack for tokenizers whose decoding of a token depends on its neighbours).
+_STOP_WINDOW_TOKENS = 8
+# A row at k = 0 rides along in other rows' first draft forward while its draft backlog is this short.
+_MAX_PASSIVE_UNSEEN = 2
 
 
 class PairLike(Protocol):
@@ -104,6 +118,7 @@ class RowStats:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     distorted: int = 0  # emitted positions whose distortion is > 0 (the events the sum is made of)
+    draft_length: int = 0  # the k this row used this iteration (0: plain target decoding)
 
 
 @dataclass
@@ -112,7 +127,7 @@ class StepStats:
 
     rows: list[RowStats]
     batch_size: int  # rows drafted/verified this iteration
-    draft_length: int  # k used this iteration
+    draft_length: int  # the largest k of any row this iteration (RowStats.draft_length has each row's)
     draft_time_s: float
     verify_time_s: float
     prefill_time_s: float
@@ -158,7 +173,9 @@ class _Request:
     threshold: float
     eos: frozenset[int]
     generator: torch.Generator
+    draft_length: int | None = None  # None: the engine default (num_draft_tokens)
     output_ids: list[int] = field(default_factory=list)
+    stop_scan_from: int = 0  # output tokens before this index cannot start a new stop-string match
     stop_text: str | None = None  # the output text cut before the stop string that ended it
     pending: int = -1  # the last token: in the sequence, not yet in the target cache
     draft_unseen: list[int] = field(default_factory=list)  # in the sequence, not yet in the draft cache
@@ -169,6 +186,12 @@ class _Request:
     fuzzy_accepted: int = 0
     distortion: float = 0.0
     iterations: int = 0
+
+
+def _check_draft_length(k: object) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"draft length (k) must be an integer >= 0, got {k!r}")
+    return k
 
 
 def _check_threshold(threshold: float) -> float:
@@ -210,26 +233,34 @@ class FSDEngine:
         self.div = div
         self.rule = rule
         self.max_batch_size = max_batch_size
-        self.num_draft_tokens = 1
-        self.set_draft_length(num_draft_tokens)
+        self.num_draft_tokens = _check_draft_length(num_draft_tokens)
         self.device = next(self.target.parameters()).device
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._aborted_unreported: list[_Request] = []
+        self._draft_fed: list[bool] = []  # per running row: fed to the draft's first forward this step
         self._target_cache = self._new_cache(self.target, 0)
         self._draft_cache = self._new_cache(self.draft, 0)
 
     # ------------------------------------------------------------------ API
     def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None, threshold: float = 0.0
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        threshold: float = 0.0,
+        draft_length: int | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next :meth:`step` with room.
 
         The prompt plus ``max_new_tokens`` must fit the pair's context (``max_context``), so a request
-        never runs out of positions half-way.
+        never runs out of positions half-way. ``draft_length``: this request's k (>= 0; 0 = plain target
+        decoding); None follows the engine default (:meth:`set_draft_length` without an id).
         """
+        if draft_length is not None:
+            _check_draft_length(draft_length)
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -257,6 +288,7 @@ class FSDEngine:
             threshold=_check_threshold(threshold),
             eos=frozenset(eos),
             generator=torch.Generator(device="cpu").manual_seed(seed),
+            draft_length=draft_length,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -265,11 +297,14 @@ class FSDEngine:
         """Change one request's threshold T; it applies from the next iteration."""
         self._get(request_id).threshold = _check_threshold(threshold)
 
-    def set_draft_length(self, k: int) -> None:
-        """Change k for all rows; it applies from the next iteration."""
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_draft_tokens (k) must be an integer >= 1, got {k!r}")
-        self.num_draft_tokens = k
+    def set_draft_length(self, k: int, request_id: str | None = None) -> None:
+        """Change k (>= 0) from the next iteration: with ``request_id`` that row's own k; without, the engine
+        default, which applies to every row that was never given its own k."""
+        _check_draft_length(k)
+        if request_id is None:
+            self.num_draft_tokens = k
+        else:
+            self._get(request_id).draft_length = k
 
     def abort(self, request_id: str) -> None:
         """Stop a waiting or running request now; the next StepStats reports it with reason "abort"."""
@@ -335,33 +370,50 @@ class FSDEngine:
         rows: list[RowStats] = [self._abort_stats(r) for r in self._aborted_unreported]
         self._aborted_unreported = []
         prefill_time, prefill_tokens = self._admit()
-        k = self.num_draft_tokens
         if not self._running:
-            return StepStats(rows, 0, k, 0.0, 0.0, prefill_time, prefill_tokens)
+            return StepStats(rows, 0, self.num_draft_tokens, 0.0, 0.0, prefill_time, prefill_tokens)
         running = list(self._running)
-        # k is the same for every row and never depends on the batch's make-up (a seeded request's
-        # random draws must not), except that no row may be scored past the model's context.
-        room = min(self.pair.max_context - len(r.prompt_ids) - len(r.output_ids) for r in running)
-        k = max(1, min(k, room))
+        # Each row's own k, capped only by its own context room (a seeded request's draws never depend
+        # on the batch); room >= 1 always (admission checks prompt + max_new_tokens <= max_context).
+        lengths = [min(self._row_draft_length(r), self._room(r)) for r in running]
+        k = max(lengths)
+        # D only matters for drafting rows with T > 0 (decided on the host: no device sync).
+        need_div = any(r.threshold > 0 and n > 0 for r, n in zip(running, lengths, strict=True))
+        sampling = self._sampling_tensors(running)
+        draft_uniforms, verify_uniforms = self._draw_uniforms(running, lengths, k)
 
         t0 = time.perf_counter()
-        draft_probs, draft_tokens = self._draft(running, k)
+        draft_probs = draft_tokens = draft_div_logits = None
+        if k > 0:
+            draft_probs, draft_tokens, draft_div_logits = self._draft(running, lengths, k, sampling, draft_uniforms, need_div)
         t1 = time.perf_counter()
-        target_probs = self._verify_forward(running, draft_tokens)
-        result = verify_block(
-            target_probs,
-            draft_probs,
-            draft_tokens,
-            threshold=torch.tensor([r.threshold for r in running], dtype=torch.float32),
-            div=self.div,
-            rule=self.rule,
-            generator=[r.generator for r in running],
-            greedy=torch.tensor([r.params.greedy for r in running]),
-        )
-        self._rollback(result.num_accepted, k)
+        target_logits = self._verify_forward(running, lengths, k, draft_tokens)
+        target_probs = sampling_probs(target_logits, *sampling)  # [B, k+1, V]
+        if draft_probs is None or draft_tokens is None:  # every row plain decoding: no drafts to verify
+            sampled = sample_from_uniforms(target_probs[:, 0], verify_uniforms[:, 0])
+            greedy_rows = (sampling[0] == 0).to(self.device)
+            next_token = torch.where(greedy_rows, greedy_token(target_probs[:, 0]), sampled)
+            num_accepted = torch.zeros_like(next_token)
+            block = _HostBlock.of(num_accepted, next_token, None, None, None)
+        else:
+            result = verify_block(
+                target_probs,
+                draft_probs,
+                draft_tokens,
+                threshold=torch.tensor([r.threshold for r in running], dtype=torch.float32),
+                div=self.div,
+                rule=self.rule,
+                greedy=sampling[0] == 0,
+                draft_lengths=lengths,
+                target_div_logits=self._div_logits(target_logits[:, :k], sampling[0]) if need_div else None,
+                draft_div_logits=draft_div_logits,
+                uniforms=verify_uniforms,
+            )
+            block = _HostBlock.of(result.num_accepted, result.next_token, result.fuzzy_accepted, result.distortion, draft_tokens)
+        self._rollback(block.num_accepted, lengths, k)
         t2 = time.perf_counter()
 
-        rows.extend(self._emit(running, draft_tokens, result, k))
+        rows.extend(self._emit(running, block, lengths, ran_draft=k > 0))
         finished = [i for i, r in enumerate(running) if r.finished]
         if finished:
             self._drop_rows(finished)
@@ -374,6 +426,12 @@ class FSDEngine:
         except KeyError:
             raise ValueError(f"unknown request_id {request_id!r}") from None
 
+    def _row_draft_length(self, r: _Request) -> int:
+        return self.num_draft_tokens if r.draft_length is None else r.draft_length
+
+    def _room(self, r: _Request) -> int:
+        return self.pair.max_context - len(r.prompt_ids) - len(r.output_ids)
+
     def _new_cache(self, model: Any, batch_size: int) -> BatchKVCache:
         return BatchKVCache(_num_layers(model), batch_size, device=self.device)
 
@@ -384,7 +442,7 @@ class FSDEngine:
         (only the last ``logits_to_keep`` positions when non-zero: the LM head is costly on long inputs)."""
         position_ids, mask = cache.prepare(valid)
         out = model(
-            input_ids=input_ids.to(self.device),
+            input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
             cache=cache,
@@ -394,6 +452,18 @@ class FSDEngine:
         cache.commit()
         return out.logits
 
+    def _padded(self, sequences: list[list[int]], width: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, width] on the model's device (one copy) and their valid mask on the host (the caches
+        keep their bookkeeping there)."""
+        feed = torch.zeros(len(sequences), width, dtype=torch.long)
+        valid = torch.zeros(len(sequences), width, dtype=torch.bool)
+        for b, seq in enumerate(sequences):
+            if seq:
+                cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+                feed[b, cols] = torch.tensor(seq)
+                valid[b, cols] = True
+        return feed.to(self.device), valid
+
     def _admit(self) -> tuple[float, int]:
         """Prefill every request that fits, together, and merge them into the batch caches."""
         joining: list[_Request] = []
@@ -402,97 +472,136 @@ class FSDEngine:
         if not joining:
             return 0.0, 0
         start = time.perf_counter()
-        # Prefill all but the last prompt token (see the invariants), left-padded to a common width.
-        width = max(len(r.prompt_ids) - 1 for r in joining)
-        feed = torch.zeros(len(joining), width, dtype=torch.long)
-        valid = torch.zeros(len(joining), width, dtype=torch.bool)
-        for b, r in enumerate(joining):
-            prefix = r.prompt_ids[:-1]
-            if prefix:
-                feed[b, width - len(prefix) :] = torch.tensor(prefix)
-                valid[b, width - len(prefix) :] = True
-        for model, batch_cache in ((self.target, self._target_cache), (self.draft, self._draft_cache)):
+        # Prefill all but the last prompt token (see the invariants), left-padded to a common width. A
+        # request that joins with k = 0 skips the draft prefill: its whole prompt stays "unseen" by the
+        # draft and is fed only if it ever drafts (plain decoding must not pay for a draft).
+        drafting = [self._row_draft_length(r) > 0 for r in joining]
+        for model, batch_cache, prefixes in (
+            (self.target, self._target_cache, [r.prompt_ids[:-1] for r in joining]),
+            (self.draft, self._draft_cache, [r.prompt_ids[:-1] if d else [] for r, d in zip(joining, drafting, strict=True)]),
+        ):
+            width = max(len(p) for p in prefixes)
             joining_cache = self._new_cache(model, len(joining))
             if width:
+                feed, valid = self._padded(prefixes, width, left=True)
                 self._forward(model, joining_cache, feed, valid, logits_to_keep=1)
             batch_cache.append_rows(joining_cache)
-        for r in joining:
+        for r, d in zip(joining, drafting, strict=True):
             r.pending = r.prompt_ids[-1]
-            r.draft_unseen = [r.prompt_ids[-1]]
+            r.draft_unseen = [r.prompt_ids[-1]] if d else list(r.prompt_ids)
             self._running.append(r)
         return time.perf_counter() - start, sum(len(r.prompt_ids) for r in joining)
 
     def _sampling_tensors(self, running: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row temperature, top-k, top-p on the host (sampling_probs validates them there, without a
+        device sync, and moves them once)."""
         temperature = torch.tensor([r.params.temperature for r in running], dtype=torch.float32)
         top_k = torch.tensor([r.params.top_k for r in running], dtype=torch.long)
         top_p = torch.tensor([r.params.top_p for r in running], dtype=torch.float32)
         return temperature, top_k, top_p
 
-    def _draft(self, running: list[_Request], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k batched draft forwards; returns draft_probs [B, k, V] and draft_tokens [B, k]."""
-        temperature, top_k, top_p = self._sampling_tensors(running)
-        greedy_rows = temperature == 0
-        all_greedy = bool(greedy_rows.all())
-        generators = [r.generator for r in running]
-        # The first forward feeds the tokens the draft has not seen, left-padded to a common width.
-        width = max(len(r.draft_unseen) for r in running)
-        feed = torch.zeros(len(running), width, dtype=torch.long)
-        valid = torch.zeros(len(running), width, dtype=torch.bool)
-        for b, r in enumerate(running):
-            feed[b, width - len(r.draft_unseen) :] = torch.tensor(r.draft_unseen)
-            valid[b, width - len(r.draft_unseen) :] = True
-        probs_steps, token_steps = [], []
+    def _draw_uniforms(
+        self, running: list[_Request], lengths: list[int], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, k] draft draws, [B, k+1] verify (draw_block_uniforms layout)
+        """All of a step's random numbers: 2 k_b + 1 per row from the row's own generator, one copy to the device."""
+        draws = torch.zeros(len(running), 2 * k + 1)
+        for b, (r, n) in enumerate(zip(running, lengths, strict=True)):
+            row = torch.rand(2 * n + 1, generator=r.generator)
+            draws[b, :n] = row[:n]  # draft sampling, step i uses column i
+            draws[b, k : k + n] = row[n : 2 * n]  # acceptance tests
+            draws[b, 2 * k] = row[2 * n]  # recovered / bonus draw
+        draws = draws.to(self.device)
+        return draws[:, :k], draws[:, k:]
+
+    def _div_logits(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:  # [B, n, V]
+        """The temperature-scaled, untruncated logits divergences are measured on (greedy rows: temperature 1)."""
+        scale = torch.where(temperature == 0, torch.ones_like(temperature), temperature).to(logits.device)
+        return logits.float() / scale.view(-1, *([1] * (logits.dim() - 1)))
+
+    def _draft(
+        self,
+        running: list[_Request],
+        lengths: list[int],
+        k: int,
+        sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        uniforms: torch.Tensor,  # [B, k]
+        need_div: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k batched draft forwards; returns draft_probs [B, k, V], draft_tokens [B, k] and, when ``need_div``,
+        the div logits [B, k, V]. Row b's positions >= k_b are padding (never fed, never verified)."""
+        temperature = sampling[0]
+        greedy_rows = (temperature == 0).to(self.device)
+        all_greedy = bool((temperature == 0).all())
+        # The first forward feeds the tokens the draft has not seen, left-padded to a common width: every
+        # drafting row's, and a k_b = 0 row's while they are few (it keeps its draft cache current for
+        # free; a long backlog, e.g. a whole prompt, waits until the row drafts itself).
+        fed = [n > 0 or len(r.draft_unseen) <= _MAX_PASSIVE_UNSEEN for r, n in zip(running, lengths, strict=True)]
+        unseen = [r.draft_unseen if f else [] for r, f in zip(running, fed, strict=True)]
+        width = max(len(u) for u in unseen)
+        feed, valid = self._padded(unseen, width, left=True)
+        self._draft_fed = fed
+        # Later forwards feed row b's previous draft while it still has drafts to make.
+        still_drafting = torch.tensor([[n > i for i in range(1, k)] for n in lengths], dtype=torch.bool)  # host
+        probs_steps, token_steps, logit_steps = [], [], []
         for i in range(k):
             logits = self._forward(self.draft, self._draft_cache, feed, valid, logits_to_keep=1)[:, -1].float()
-            probs = sampling_probs(logits, temperature, top_k, top_p)
+            probs = sampling_probs(logits, *sampling)
             tokens = greedy_token(probs)
             if not all_greedy:
-                tokens = torch.where(greedy_rows, tokens, sample(probs, generators))
+                tokens = torch.where(greedy_rows, tokens, sample_from_uniforms(probs, uniforms[:, i]))
             probs_steps.append(probs)
             token_steps.append(tokens)
+            if need_div:
+                logit_steps.append(self._div_logits(logits, temperature))
             if i + 1 < k:
                 feed = tokens[:, None]
-                valid = torch.ones_like(feed, dtype=torch.bool)
+                valid = still_drafting[:, i : i + 1]
         self._draft_first_width = width
-        return torch.stack(probs_steps, 1), torch.stack(token_steps, 1)
+        div_logits = torch.stack(logit_steps, 1) if need_div else None
+        return torch.stack(probs_steps, 1), torch.stack(token_steps, 1), div_logits
 
-    def _verify_forward(self, running: list[_Request], draft_tokens: torch.Tensor) -> torch.Tensor:
-        """One target forward over [pending, d_1..d_k]; returns target_probs [B, k+1, V]."""
-        pending = torch.tensor([[r.pending] for r in running], dtype=torch.long)
-        feed = torch.cat([pending, draft_tokens], dim=1)
-        logits = self._forward(self.target, self._target_cache, feed, torch.ones_like(feed, dtype=torch.bool))
-        temperature, top_k, top_p = self._sampling_tensors(running)
-        return sampling_probs(logits.float(), temperature, top_k, top_p)
+    def _verify_forward(
+        self, running: list[_Request], lengths: list[int], k: int, draft_tokens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One target forward over [pending, d_1..d_k_b] per row (right-padded); returns logits [B, k+1, V]."""
+        pending = torch.tensor([[r.pending] for r in running], dtype=torch.long).to(self.device)
+        if draft_tokens is None:
+            feed = pending
+            valid = torch.ones(len(running), 1, dtype=torch.bool)  # host, like every valid mask
+        else:
+            feed = torch.cat([pending, draft_tokens], dim=1)
+            valid = torch.tensor([[j <= n for j in range(k + 1)] for n in lengths], dtype=torch.bool)
+        return self._forward(self.target, self._target_cache, feed, valid).float()
 
-    def _rollback(self, num_accepted: torch.Tensor, k: int) -> None:
+    def _rollback(self, num_accepted: list[int], lengths: list[int], k: int) -> None:
         """Keep the accepted prefix of the slots written this iteration; the rest become holes."""
         # Target slots: [pending, d_1..d_k] -> keep pending and the accepted drafts.
-        self._target_cache.reject_tail(k + 1, num_accepted + 1)
-        # Draft slots: [pad.., unseen.., d_1..d_{k-1}] -> keep the unseen tokens and accepted drafts.
-        width = self._draft_first_width
-        self._draft_cache.reject_tail(width + k - 1, width + torch.clamp(num_accepted, max=k - 1))
+        self._target_cache.reject_tail(k + 1, [n + 1 for n in num_accepted])
+        if k > 0:
+            # Draft slots: [pad.., unseen.., d_1..d_{k-1}] -> keep the unseen tokens and the accepted drafts
+            # that were fed (d_{k_b} never is).
+            width = self._draft_first_width
+            keep = [width + min(n, max(k_b - 1, 0)) for n, k_b in zip(num_accepted, lengths, strict=True)]
+            self._draft_cache.reject_tail(width + k - 1, keep)
         for cache in (self._target_cache, self._draft_cache):
             if cache.num_holes > max(_MIN_HOLES, _COMPACT_HOLE_FRACTION * cache.batch_size * cache.length):
                 cache.compact()
 
-    def _emit(self, running: list[_Request], draft_tokens: torch.Tensor, result: Any, k: int) -> list[RowStats]:
-        num_accepted = result.num_accepted.tolist()
-        next_tokens = result.next_token.tolist()
-        fuzzy = result.fuzzy_accepted.tolist()
-        distortion = result.distortion.tolist()
-        drafts = draft_tokens.tolist()
+    def _emit(self, running: list[_Request], block: _HostBlock, lengths: list[int], ran_draft: bool) -> list[RowStats]:
         rows = []
         for b, r in enumerate(running):
-            n = num_accepted[b]
-            block = drafts[b][:n] + [next_tokens[b]]
+            n, k_b = block.num_accepted[b], lengths[b]
+            drafts = block.draft_tokens[b] if block.draft_tokens is not None else []
+            tokens = drafts[:n] + [block.next_token[b]]
             remaining = r.params.max_new_tokens - len(r.output_ids)
-            new_tokens = self._append(r, block)
+            new_tokens = self._append(r, tokens)
             emitted = len(new_tokens)
-            drafted = min(k, remaining)
+            drafted = min(k_b, remaining)
             accepted = min(n, emitted)
-            fuzzy_count = int(sum(fuzzy[b][:accepted]))
-            # Distortion of each emitted position: drafts at 0..n-1, the next token at n (not fuzzy: 0).
-            charged = distortion[b][: min(emitted, k)]
+            fuzzy_count = int(sum(block.fuzzy_accepted[b][:accepted])) if block.fuzzy_accepted is not None else 0
+            # Distortion of each emitted drafted position: accepted drafts at 0..n-1 and, for draft_tokens,
+            # the recovered token at n < k_b (bonus tokens are exact: 0).
+            charged = block.distortion[b][: min(emitted, k_b)] if block.distortion is not None else []
             row_distortion = float(sum(charged))
             r.drafted += drafted
             r.accepted += accepted
@@ -500,8 +609,11 @@ class FSDEngine:
             r.distortion += row_distortion
             r.iterations += 1
             # Cache invariants for the next iteration.
-            r.pending = block[-1]
-            r.draft_unseen = [drafts[b][k - 1], block[-1]] if n == k else [block[-1]]
+            r.pending = tokens[-1]
+            if ran_draft and self._draft_fed[b]:
+                r.draft_unseen = ([drafts[k_b - 1]] if k_b > 0 and n == k_b else []) + [tokens[-1]]
+            else:  # the draft was not fed this row: it has still not seen what it had not seen before
+                r.draft_unseen = r.draft_unseen + [tokens[-1]]
             rows.append(
                 RowStats(
                     request_id=r.request_id,
@@ -514,6 +626,7 @@ class FSDEngine:
                     finished=r.finished,
                     finish_reason=r.finish_reason,
                     distorted=sum(1 for x in charged if x > 0),
+                    draft_length=k_b,
                 )
             )
         return rows
@@ -537,24 +650,27 @@ class FSDEngine:
     def _check_stop_strings(self, r: _Request, new_tokens: list[int]) -> None:
         """Finish ``r`` if its text now contains a stop string; the text is cut before it.
 
-        Only the tokens up to the one that completes the stop string are kept. Earlier blocks were
-        checked already, so only matches ending in this block's text can be new.
+        Incremental: each block decodes only a window of the output, from ``stop_scan_from`` (kept the
+        longest stop string's length plus ``_STOP_WINDOW_TOKENS`` tokens behind the end, so a match
+        ending in the new tokens lies inside it). Once a match is seen (once per request) the exact cut
+        is found on full decodes: only the tokens up to the one that completes the stop string are kept.
         """
         decode = self.pair.tokenizer.decode
-        full_text = decode(r.output_ids, skip_special_tokens=True)
-        if not any(s in full_text for s in r.params.stop):
-            return
-        first_new = len(r.output_ids) - len(new_tokens)
-        for keep in range(first_new + 1, len(r.output_ids) + 1):
-            text = decode(r.output_ids[:keep], skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
-            if hits:
-                dropped = len(r.output_ids) - keep
-                del r.output_ids[keep:]
-                del new_tokens[len(new_tokens) - dropped :]
-                r.stop_text = text[: min(hits)]
-                r.finished, r.finish_reason = True, "stop"
-                return
+        window_text = decode(r.output_ids[r.stop_scan_from :], skip_special_tokens=True)
+        if any(s in window_text for s in r.params.stop):
+            first_new = len(r.output_ids) - len(new_tokens)
+            for keep in range(first_new + 1, len(r.output_ids) + 1):
+                text = decode(r.output_ids[:keep], skip_special_tokens=True)
+                hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
+                if hits:
+                    dropped = len(r.output_ids) - keep
+                    del r.output_ids[keep:]
+                    del new_tokens[len(new_tokens) - dropped :]
+                    r.stop_text = text[: min(hits)]
+                    r.finished, r.finish_reason = True, "stop"
+                    return
+        longest = max(len(s) for s in r.params.stop)
+        r.stop_scan_from = max(r.stop_scan_from, len(r.output_ids) - longest - _STOP_WINDOW_TOKENS)
 
     def _text(self, r: _Request) -> str:
         if r.stop_text is not None:
@@ -566,11 +682,46 @@ class FSDEngine:
     def _drop_rows(self, indices: list[int]) -> None:
         drop = set(indices)
         keep = [i for i in range(len(self._running)) if i not in drop]
-        index = torch.tensor(keep, dtype=torch.long)
-        self._target_cache.select_rows(index)
-        self._draft_cache.select_rows(index)
+        self._target_cache.select_rows(keep)
+        self._draft_cache.select_rows(keep)
         self._running = [self._running[i] for i in keep]
 
     @staticmethod
     def _abort_stats(r: _Request) -> RowStats:
         return RowStats(r.request_id, [], 0, 0, 0, 0.0, r.threshold, True, "abort")
+
+
+@dataclass
+class _HostBlock:
+    """A verify block's outcome copied to the host in one transfer per dtype."""
+
+    num_accepted: list[int]
+    next_token: list[int]
+    fuzzy_accepted: list[list[bool]] | None
+    distortion: list[list[float]] | None
+    draft_tokens: list[list[int]] | None
+
+    @staticmethod
+    def of(
+        num_accepted: torch.Tensor,  # [B]
+        next_token: torch.Tensor,  # [B]
+        fuzzy_accepted: torch.Tensor | None,  # [B, k] bool
+        distortion: torch.Tensor | None,  # [B, k]
+        draft_tokens: torch.Tensor | None,  # [B, k]
+    ) -> _HostBlock:
+        batch = num_accepted.shape[0]
+        if fuzzy_accepted is None or distortion is None or draft_tokens is None:
+            ints = torch.stack([num_accepted, next_token]).cpu()
+            return _HostBlock(ints[0].tolist(), ints[1].tolist(), None, None, None)
+        k = draft_tokens.shape[1]
+        ints = torch.cat(
+            [num_accepted.view(batch, 1), next_token.view(batch, 1), fuzzy_accepted.long(), draft_tokens.long()], dim=1
+        ).cpu()
+        host = ints.tolist()
+        return _HostBlock(
+            num_accepted=[row[0] for row in host],
+            next_token=[row[1] for row in host],
+            fuzzy_accepted=[[bool(v) for v in row[2 : 2 + k]] for row in host],
+            distortion=distortion.cpu().tolist(),
+            draft_tokens=[row[2 + k :] for row in host],
+        )

@@ -110,7 +110,7 @@ def generate(
     """Fuzzy speculative decoding of a batch of prompts; ``fsd_threshold=0`` is exact speculative decoding.
 
     ``input_ids``: [B, L] (left-padded, with ``attention_mask``) or a list of id lists. ``do_sample=False``
-    decodes greedily. With ``seed``, row b samples from its own generator seeded ``seed + b``.
+    decodes greedily (top_k / top_p are then ignored). ``num_draft_tokens=0`` is plain target decoding. With ``seed``, row b samples from its own generator seeded ``seed + b``.
     ``eos_token_id`` defaults to the target's generation config; ``stop_strings`` need ``tokenizer``.
     """
     prompts = _prompts(input_ids, attention_mask)
@@ -132,8 +132,10 @@ def generate(
     for b, prompt in enumerate(prompts):
         params = SamplingParams(
             temperature=float(temperature) if do_sample else 0.0,
-            top_k=int(top_k or 0),
-            top_p=float(top_p if top_p is not None else 1.0),
+            # Greedy decoding ignores top-k / top-p (as HF's generate does with do_sample=False, and as
+            # fsd_custom_generate passes them): one behaviour for both entry points.
+            top_k=int(top_k or 0) if do_sample else 0,
+            top_p=float(top_p if top_p is not None else 1.0) if do_sample else 1.0,
             max_new_tokens=max_new_tokens,
             stop=stops,
             eos_token_ids=eos,

@@ -13,6 +13,11 @@ are invalid for every row at the end are cropped for free (the common case at ba
 there are never holes). When holes pile up, :meth:`BatchKVCache.compact` gathers each row's valid
 slots into a right-aligned, left-padded layout.
 
+Host-side bookkeeping. ``valid`` and ``row_lengths`` live on the host (CPU): every decision (how many
+holes, what to crop, the compaction order, positions) is made there without a device synchronisation;
+the mask and the gather/select indices are copied to the model's device explicitly. Only the key/value
+buffers live on the device.
+
 Masks. The model receives an explicit 4-D boolean mask (``True`` = attend) built by
 :meth:`BatchKVCache.attention_mask`; transformers passes 4-D masks through unchanged. Every query
 row always sees at least itself, so SDPA never meets a fully masked row (which would give NaN).
@@ -23,8 +28,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-# Room added whenever the buffers grow, so that decoding does not reallocate every iteration.
+# Buffers grow geometrically (x1.5, at least this many slots), so copying stays linear in the length.
 _GROWTH_SLOTS = 64
+_GROWTH_FACTOR = 1.5
+
+
+def _grown_capacity(needed: int, current: int) -> int:
+    return max(needed + _GROWTH_SLOTS, int(current * _GROWTH_FACTOR))
 
 
 class _SlotLayer(DynamicLayer):
@@ -43,8 +53,8 @@ class BatchKVCache(Cache):
         super().__init__(layers=[_SlotLayer() for _ in range(num_layers)])
         self.device = torch.device(device)
         self.length = 0  # slots in use, shared by all rows
-        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # [batch, length]
-        self.row_lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # valid slots per row
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool)  # [batch, length], host
+        self.row_lengths = torch.zeros(batch_size, dtype=torch.long)  # valid slots per row, host
         self._pending_valid: torch.Tensor | None = None
         self.compactions = 0  # how often holes were gathered away (observability, tests)
 
@@ -67,27 +77,28 @@ class BatchKVCache(Cache):
     def prepare(self, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prepare a forward over ``q`` new tokens per row.
 
-        ``new_valid``: ``[batch, q]`` bool, False for padding queries (their slots become holes).
-        Returns ``(position_ids [batch, q], attention_mask [batch, 1, q, length + q] or None)``.
-        Call :meth:`commit` after the forward.
+        ``new_valid``: ``[batch, q]`` bool on the host, False for padding queries (their slots become
+        holes). Returns ``(position_ids [batch, q], attention_mask [batch, 1, q, length + q] or None)``,
+        both on the cache's device. Call :meth:`commit` after the forward.
         """
+        new_valid = new_valid.cpu()  # a host tensor already in the engine: no copy, no sync
         batch, q = new_valid.shape
         if batch != self.batch_size:
             raise ValueError(f"new_valid has {batch} rows, the cache has {self.batch_size}")
         # Each row's new tokens continue its own logical positions; padding borrows its neighbour's.
         positions = self.row_lengths[:, None] + new_valid.long().cumsum(1) - 1
-        positions = positions.clamp_min(0)
+        positions = positions.clamp_min(0).to(self.device)
         self._pending_valid = new_valid
         if q == 1 and self.num_holes == 0 and bool(new_valid.all()):
             # Nothing to mask: transformers then lets SDPA attend to everything, which is exact here
             # and skips materialising a mask and repeating the KV heads (GQA) every layer.
             return positions, None
-        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        eye = torch.eye(q, dtype=torch.bool, device=self.device)
+        causal = torch.ones(q, q, dtype=torch.bool).tril()
+        eye = torch.eye(q, dtype=torch.bool)
         new_part = causal & (new_valid[:, None, :] | eye)  # [batch, q, q]
         old_part = self.valid[:, None, :].expand(batch, q, self.length)  # [batch, q, length]
         mask = torch.cat([old_part, new_part], dim=2)[:, None]
-        return positions, mask
+        return positions, mask.to(self.device)
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -97,7 +108,8 @@ class BatchKVCache(Cache):
         q = key_states.shape[2]
         end = self.length + q
         if layer.keys is None or layer.keys.shape[2] < end:
-            self._grow_layer(layer, key_states, value_states, end + _GROWTH_SLOTS)
+            current = 0 if layer.keys is None else layer.keys.shape[2]
+            self._grow_layer(layer, key_states, value_states, _grown_capacity(end, current))
         assert layer.keys is not None and layer.values is not None
         layer.keys[:, :, self.length : end] = key_states
         layer.values[:, :, self.length : end] = value_states
@@ -123,14 +135,15 @@ class BatchKVCache(Cache):
         layer.is_initialized = True
 
     # ------------------------------------------------------------- rollback
-    def reject_tail(self, num_slots: int, keep: torch.Tensor) -> None:
+    def reject_tail(self, num_slots: int, keep: torch.Tensor | list[int]) -> None:
         """Roll back part of the last ``num_slots`` slots.
 
-        ``keep``: ``[batch]`` long, how many of those slots each row keeps (from the left); the rest
-        become holes. Trailing slots that no row keeps are cropped.
+        ``keep``: ``[batch]`` (a tensor or host list), how many of those slots each row keeps (from the
+        left); the rest become holes. Trailing slots that no row keeps are cropped.
         """
+        keep = torch.as_tensor(keep, dtype=torch.long).cpu()
         start = self.length - num_slots
-        offsets = torch.arange(num_slots, device=self.device)
+        offsets = torch.arange(num_slots)
         tail = self.valid[:, start:] & (offsets[None, :] < keep[:, None])
         self.row_lengths = self.row_lengths - (self.valid[:, start:].sum(1) - tail.sum(1))
         self.valid = torch.cat([self.valid[:, :start], tail], dim=1)
@@ -151,24 +164,27 @@ class BatchKVCache(Cache):
             return
         # A stable sort on validity puts each row's holes first and keeps its tokens in order.
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.length - new_length :]
+        order_on_device = order.to(self.device)
         for layer in self.layers:
             if layer.keys is None or layer.values is None:
                 continue
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            index = order_on_device[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys[:, :, :new_length] = layer.keys[:, :, : self.length].gather(2, index)
-            index = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+            index = order_on_device[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
             layer.values[:, :, :new_length] = layer.values[:, :, : self.length].gather(2, index)
         self.valid = self.valid.gather(1, order)
         self.length = new_length
         self.compactions += 1
 
     # ------------------------------------------------------- rows join/leave
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (a 1-D long index), in that order."""
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only ``rows`` (a 1-D long index, best a host list or tensor), in that order."""
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        rows_on_device = rows.to(self.device)
         for layer in self.layers:
             if layer.keys is not None and layer.values is not None:
-                layer.keys = layer.keys.index_select(0, rows)
-                layer.values = layer.values.index_select(0, rows)
+                layer.keys = layer.keys.index_select(0, rows_on_device)
+                layer.values = layer.values.index_select(0, rows_on_device)
         self.valid = self.valid.index_select(0, rows)
         self.row_lengths = self.row_lengths.index_select(0, rows)
         self.crop_unused()
@@ -176,7 +192,7 @@ class BatchKVCache(Cache):
     def append_rows(self, other: BatchKVCache) -> None:
         """Append ``other``'s rows after this cache's rows, aligning both to the right."""
         new_length = max(self.length, other.length)
-        capacity = new_length + _GROWTH_SLOTS
+        capacity = _grown_capacity(new_length, 0)
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             ref = mine if mine.keys is not None else theirs
             if ref.keys is None or ref.values is None:

@@ -96,7 +96,8 @@ def sampling_probs(
 
 
 # Candidate count tried first for top-p; a full sort of a 50k-150k vocabulary per row is far slower than a
-# small top-k on CPU, and most nuclei are small. Grown geometrically until it covers every row's nucleus.
+# small top-k on CPU, and most nuclei are small. If some row's nucleus is larger, one full sort follows
+# (at most two selections per call, never a chain of growing ones).
 _FIRST_CANDIDATES = 64
 
 
@@ -127,7 +128,7 @@ def _filter_scores(
         covered = (sorted_probs.sum(dim=-1, keepdim=True) >= p_keep) | ~topp_on
         if candidates == vocab or bool(covered.all()):
             break
-        candidates = min(vocab, candidates * 4)
+        candidates = vocab
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumsum, descending order
     keep_sorted = mass_before < p_keep
     keep_sorted[..., 0] = True  # the most probable token is always kept (implied by top_p > 0; made explicit)

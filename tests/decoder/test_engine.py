@@ -59,11 +59,12 @@ def run(
     requests: list[tuple[list[int], SamplingParams, float]],
     k: int = 4,
     max_batch_size: int = 8,
+    draft_lengths: list[int | None] | None = None,
     **engine_kwargs: object,
 ) -> dict[str, list[int]]:
     engine = FSDEngine(pair, num_draft_tokens=k, max_batch_size=max_batch_size, **engine_kwargs)  # type: ignore[arg-type]
     for i, (prompt, params, threshold) in enumerate(requests):
-        engine.add_request(str(i), prompt, params, threshold)
+        engine.add_request(str(i), prompt, params, threshold, draft_length=draft_lengths[i] if draft_lengths else None)
     engine.run_to_completion()
     return {str(i): engine.output(str(i)).token_ids for i in range(len(requests))}
 
@@ -212,15 +213,120 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(pair: ModelPair) -> 
     assert run(pair, [(PROMPTS[0], sampled(124), 0.3)])["0"] != alone
 
 
+def test_seeded_request_ignores_a_neighbour_near_its_context_limit(pair: ModelPair) -> None:
+    # Regression (bug 2): k was lowered for every row to the smallest context room in the batch, so a
+    # request next to a row near the context limit decoded with k = [4, 4, 4, 2, 1, ...] and its tokens
+    # changed from the 8th on. k is now capped by each row's own room.
+    seeded = (PROMPTS[0], sampled(123, 30), 0.3)
+    alone = run(pair, [seeded])["0"]
+    near_limit = ([7] * (pair.max_context - 12), sampled(5, 12), 0.0)
+    engine = FSDEngine(pair, num_draft_tokens=4)
+    engine.add_request("seeded", *seeded)
+    engine.add_request("near", *near_limit)
+    steps = engine.run_to_completion()
+    assert engine.output("seeded").token_ids == alone
+    seeded_k = [r.draft_length for s in steps for r in s.rows if r.request_id == "seeded"]
+    near_k = [r.draft_length for s in steps for r in s.rows if r.request_id == "near"]
+    assert set(seeded_k) == {4}, seeded_k
+    assert min(near_k) < 4, "the fixture must bring the neighbour to its context limit"
+
+
+# ---------------------------------------------------------------------------------- per-row k
+
+
+def test_k0_greedy_is_plain_target_decoding_without_draft_forwards(pair: ModelPair) -> None:
+    draft_calls = []
+    hook = pair.draft.register_forward_hook(lambda *_: draft_calls.append(1))
+    try:
+        engine = FSDEngine(pair, num_draft_tokens=0)
+        engine.add_request("a", PROMPTS[0], greedy_params(20), threshold=0.5)
+        engine.add_request("b", PROMPTS[2], greedy_params(12), threshold=0.0)
+        steps = engine.run_to_completion()
+    finally:
+        hook.remove()
+    assert draft_calls == [], "no draft forward (not even a prefill) may run when every row has k = 0"
+    assert engine.output("a").token_ids == target_greedy(pair.target, PROMPTS[0], 20)
+    assert engine.output("b").token_ids == target_greedy(pair.target, PROMPTS[2], 12)
+    assert all(s.draft_length == 0 and all(r.draft_length == 0 and r.drafted == 0 for r in s.rows) for s in steps)
+    assert engine.output("a").distortion == 0.0
+
+
+def test_batch_mixing_k0_k2_k4_gives_each_row_what_it_gets_alone(pair: ModelPair) -> None:
+    requests = [
+        (PROMPTS[0], sampled(11, 25), 0.3),
+        (PROMPTS[1], sampled(12, 30), 0.0),
+        (PROMPTS[2], greedy_params(28), 0.5),
+        (PROMPTS[3], sampled(14, 22), 1.0),
+        (PROMPTS[4], greedy_params(26), 0.0),
+        (PROMPTS[5], sampled(16, 27), 0.2),
+    ]
+    ks: list[int | None] = [0, 2, 4, 2, 0, None]  # None: the engine default (4)
+    singles = {str(i): run(pair, [r], draft_lengths=[ks[i]])["0"] for i, r in enumerate(requests)}
+    engine = FSDEngine(pair, num_draft_tokens=4)
+    for i, (prompt, params, t) in enumerate(requests):
+        engine.add_request(str(i), prompt, params, t, draft_length=ks[i])
+    steps = engine.run_to_completion()
+    assert {str(i): engine.output(str(i)).token_ids for i in range(len(requests))} == singles
+    assert singles["4"] == target_greedy(pair.target, PROMPTS[4], 26)
+    first = {r.request_id: r.draft_length for r in steps[0].rows}
+    assert first == {"0": 0, "1": 2, "2": 4, "3": 2, "4": 0, "5": 4} and steps[0].draft_length == 4
+
+
+def test_per_row_k_changes_between_steps_and_stays_exact(pair: ModelPair) -> None:
+    # Row "x" switches k 3 -> 0 -> 0 -> 2 -> 5 (the draft cache catches up on tokens emitted at k = 0);
+    # greedy at T = 0 it must stay equal to plain target decoding, alone and next to other rows.
+    schedule = {1: 0, 3: 2, 4: 5}
+
+    def drive(with_neighbours: bool) -> tuple[list[int], list[int]]:
+        engine = FSDEngine(pair, num_draft_tokens=3)
+        engine.add_request("x", PROMPTS[5], greedy_params(40), threshold=0.0)
+        engine.add_request("s", PROMPTS[0], sampled(3, 30), threshold=0.4, draft_length=2)
+        # joins at k = 0 (no draft prefill), drafts from step 2: the draft catches up on prompt + output
+        engine.add_request("z", PROMPTS[2], greedy_params(30), threshold=0.0, draft_length=0)
+        if with_neighbours:
+            engine.add_request("n1", PROMPTS[1], sampled(4, 35), threshold=0.2)
+            engine.add_request("n2", PROMPTS[2], greedy_params(30), threshold=0.0, draft_length=0)
+        step = 0
+        while engine.has_unfinished():
+            if step in schedule and not engine.output("x").finished:
+                engine.set_draft_length(schedule[step], "x")
+            if step == 2:
+                engine.set_draft_length(1)  # the default: moves "n1" only (the others have their own k)
+                engine.set_draft_length(3, "z")
+            engine.step()
+            step += 1
+        return engine.output("x").token_ids, engine.output("s").token_ids, engine.output("z").token_ids
+
+    alone_x, alone_s, alone_z = drive(False)
+    assert alone_x == target_greedy(pair.target, PROMPTS[5], 40)
+    assert alone_z == target_greedy(pair.target, PROMPTS[2], 30)
+    assert drive(True) == (alone_x, alone_s, alone_z)
+
+
+def test_kl_with_top_k_or_top_p_still_fuzzy_accepts(pair: ModelPair) -> None:
+    # Regression (bug 3): D was computed on the truncated p and q, so KL(q‖p) = inf wherever q kept a token
+    # p's top-k / top-p dropped: 100 % of positions, and no fuzzy acceptance at all.
+    for extra in ({"top_k": 50}, {"top_p": 0.9}):
+        engine = FSDEngine(pair, num_draft_tokens=4, div="kl")
+        for s in range(4):
+            params = SamplingParams(temperature=0.5, max_new_tokens=24, eos_token_ids=(), seed=s, **extra)  # type: ignore[arg-type]
+            engine.add_request(str(s), PROMPTS[s], params, threshold=0.5)
+        engine.run_to_completion()
+        outs = [engine.output(str(s)) for s in range(4)]
+        assert sum(o.fuzzy_accepted for o in outs) > 0, extra
+        assert all(0 <= o.mean_distortion <= 1 for o in outs)
+
+
 @pytest.fixture(scope="module")
 def far_pair() -> ModelPair:
     """A pair whose draft differs a lot from its target, so a wrong sampler is detectable."""
     return tiny_pair(seed=1, draft_noise=1.0)
 
 
-@pytest.mark.parametrize("position", [0, 1])
-def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair, position: int) -> None:
-    """Chi-square: the token at ``position`` under SD (T=0) is distributed as target sampling."""
+@pytest.mark.parametrize(("position", "k"), [(0, 3), (1, 3), (1, 0)])
+def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair, position: int, k: int) -> None:
+    """Chi-square: the token at ``position`` under SD (T=0; k = 0: plain decoding) is distributed as target
+    sampling."""
     pair = far_pair
     prompt, temperature, top_k, n = PROMPTS[4], 0.9, 40, 3000
     with torch.inference_mode():
@@ -231,7 +337,7 @@ def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair, positi
             contexts = torch.cat([torch.tensor([prompt]).expand(first.shape[0], -1), torch.arange(first.shape[0])[:, None]], 1)
             second = sampling_probs(pair.target(input_ids=contexts).logits[:, -1], temperature, top_k)
             expected = first @ second
-    engine = FSDEngine(pair, num_draft_tokens=3, max_batch_size=100)
+    engine = FSDEngine(pair, num_draft_tokens=k, max_batch_size=100)
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=2, eos_token_ids=(), seed=s) for s in range(n)]
     for s, p in enumerate(params):
         engine.add_request(str(s), prompt, p, threshold=0.0)
@@ -289,6 +395,24 @@ def test_stop_string_truncates_text(pair: ModelPair) -> None:
     assert stop in pair.tokenizer.decode(out.token_ids) and stop not in pair.tokenizer.decode(out.token_ids[:-1])
 
 
+def test_stop_strings_are_checked_on_a_window_not_the_whole_output(pair: ModelPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each block decodes only the last (longest stop string + 8) tokens or so, not the whole output again.
+    decoded_lengths: list[int] = []
+    decode = pair.tokenizer.decode
+
+    def recording_decode(ids: list[int], **kwargs: object) -> str:
+        decoded_lengths.append(len(ids))
+        return str(decode(ids, **kwargs))
+
+    monkeypatch.setattr(pair.tokenizer, "decode", recording_decode)
+    engine = FSDEngine(pair, num_draft_tokens=4)
+    engine.add_request("r", PROMPTS[0], greedy_params(120, stop=("never-appears",)))
+    engine.run_to_completion()
+    longest_decode = max(decoded_lengths)  # before output(), which decodes the whole text once
+    assert len(engine.output("r").token_ids) == 120
+    assert longest_decode <= len("never-appears") + 8 + 5, longest_decode
+
+
 def test_abort_running_and_waiting(pair: ModelPair) -> None:
     engine = FSDEngine(pair, max_batch_size=2)
     engine.add_request("a", PROMPTS[0], greedy_params(30))
@@ -343,7 +467,7 @@ def test_set_threshold_and_draft_length_apply_next_iteration(pair: ModelPair) ->
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"num_draft_tokens": 0}, "0"),
+        ({"num_draft_tokens": -1}, "-1"),
         ({"div": "hellinger"}, "hellinger"),
         ({"rule": "lenient"}, "lenient"),
         ({"max_batch_size": 0}, "max_batch_size"),
@@ -386,8 +510,14 @@ def test_bad_calls(pair: ModelPair) -> None:
         engine.add_request("r", [1, 2], greedy_params(3))
     with pytest.raises(ValueError, match="-1"):
         engine.set_threshold("r", -1.0)
-    with pytest.raises(ValueError, match="0"):
-        engine.set_draft_length(0)
+    with pytest.raises(ValueError, match="-1"):
+        engine.set_draft_length(-1)
+    with pytest.raises(ValueError, match="-2"):
+        engine.set_draft_length(-2, "r")
+    with pytest.raises(ValueError, match="'nope'"):
+        engine.set_draft_length(2, "nope")
+    with pytest.raises(ValueError, match="2.5"):
+        engine.add_request("s", [1, 2], greedy_params(3), draft_length=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'nope'"):
         engine.abort("nope")
     with pytest.raises(ValueError, match="still running"):

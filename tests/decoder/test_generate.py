@@ -83,6 +83,26 @@ def test_custom_generate_sampling_settings_come_from_the_generation_config(pair:
     assert torch.equal(via_hf.sequences, direct.sequences)
 
 
+def test_greedy_ignores_top_k_and_top_p_the_same_way_in_both_entry_points(pair: ModelPair) -> None:
+    # Regression (bug 3): generate passed top_k / top_p to greedy rows while fsd_custom_generate zeroed them.
+    kwargs = {"fsd_threshold": 0.5, "num_draft_tokens": 3, "track_acceptance_metrics": True, "max_new_tokens": 10}
+    plain = generate(pair.target, pair.draft, PADDED, attention_mask=MASK, eos_token_id=258, **kwargs)
+    direct = generate(
+        pair.target, pair.draft, PADDED, attention_mask=MASK, eos_token_id=258, top_k=3, top_p=0.3, **kwargs
+    )
+    via_hf = pair.target.generate(
+        PADDED, attention_mask=MASK, custom_generate=fsd_custom_generate, draft_model=pair.draft,
+        do_sample=False, top_k=3, top_p=0.3, **kwargs,
+    )
+    assert torch.equal(direct.sequences, plain.sequences) and torch.equal(via_hf.sequences, plain.sequences)
+    assert direct.fuzzy_accepted_tokens == via_hf.fuzzy_accepted_tokens == plain.fuzzy_accepted_tokens
+
+
+def test_k0_generate_equals_hf_greedy(pair: ModelPair) -> None:
+    out = generate(pair.target, pair.draft, [[5, 6, 7]], num_draft_tokens=0, max_new_tokens=10, eos_token_id=[])
+    assert out.sequences[0, 3:].tolist() == hf_greedy(pair.target, [5, 6, 7], 10)
+
+
 def test_seeded_generate_is_reproducible(pair: ModelPair) -> None:
     kwargs = {"do_sample": True, "temperature": 0.8, "max_new_tokens": 15, "eos_token_id": [], "fsd_threshold": 0.2}
     a = generate(pair.target, pair.draft, [[5, 6, 7], [9, 9]], seed=11, **kwargs)
@@ -101,8 +121,8 @@ def test_bad_generate_input(pair: ModelPair) -> None:
         generate(pair.target, pair.draft, [[1, 2]], fsd_threshold=-1.0)
     with pytest.raises(ValueError, match="empty prompt"):
         generate(pair.target, pair.draft, [[1, 2], []])
-    with pytest.raises(ValueError, match="0"):
-        generate(pair.target, pair.draft, [[1, 2]], num_draft_tokens=0)
+    with pytest.raises(ValueError, match="-2"):
+        generate(pair.target, pair.draft, [[1, 2]], num_draft_tokens=-2)
     with pytest.raises(ValueError, match="draft_model"):
         pair.target.generate(PADDED, attention_mask=MASK, custom_generate=fsd_custom_generate, max_new_tokens=3)
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
+from decoder.pairs import find_pair_spec, load_pair  # noqa: E402
 from decoder.sampling import greedy, sample, sampling_probs  # noqa: E402
 
 CHAT_PROMPTS = [
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         args.thresholds, args.divs, args.pure_thresholds = "0.3,1.0", "kl,js", "0.3"
     if args.threads:
         torch.set_num_threads(args.threads)
-    elif args.pair == "tiny":
-        torch.set_num_threads(1)
+    elif (spec := find_pair_spec(args.pair)) is not None and spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
     if not 1 <= args.prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be in 1..{len(PROMPTS)}, got {args.prompts}")
     thresholds = [float(t) for t in args.thresholds.split(",") if t]
@@ -274,10 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(modes) - {"greedy", "sample"}:
         raise SystemExit(f"unknown mode in --modes {args.modes!r}; use greedy and/or sample")
 
-    from decoder.models import load_pair, tiny_pair
-
     load_start = time.perf_counter()
-    pair = tiny_pair(seed=0) if args.pair == "tiny" else load_pair(args.pair)
+    pair = load_pair(args.pair)
     load_s = time.perf_counter() - load_start
     prompts = [pair.encode_prompt(p) for p in PROMPTS[: args.prompts]]
     settings = build_settings(thresholds, divs, pure_thresholds, hf=not args.no_hf)

@@ -216,13 +216,12 @@ class Decoders:
 
 
 def load_model_pair(name: str) -> Any:
-    """A shipped pair by name, or ``tiny`` (random weights, for tests and plumbing checks)."""
-    from decoder.models import load_pair, tiny_pair
+    """A registered pair by name (``tiny``: random weights, for tests and plumbing checks) or 'target,draft'."""
+    from decoder.pairs import load_pair
 
-    if name == "tiny":
-        # HumanEval prompts are 400-2000 byte tokens with the tiny byte-level tokenizer.
-        return tiny_pair(seed=0, max_position_embeddings=4096)
-    return load_pair(name)
+    # max_context: a pair built in memory gets room for HumanEval prompts (400-2000 byte tokens with the
+    # tiny byte-level tokenizer); loaded pairs keep their own context.
+    return load_pair(name, max_context=4096)
 
 
 def prompt_ids(pair: Any, problem: humaneval.Problem) -> list[int]:

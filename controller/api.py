@@ -45,8 +45,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from controller.config import FSDConfig, format_validation_error, parse_config
+from controller.config import FSDConfig, parse_config
 from controller.openai_schema import ChatCompletionRequest, CompletionRequest
+from fsd_common.validation import first_error_path, format_validation_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,9 +70,7 @@ class HTTPError(Exception):
 
 
 def _validation_error(exc: ValidationError) -> HTTPError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    return HTTPError(422, format_validation_error(exc), param)
+    return HTTPError(422, format_validation_error(exc), first_error_path(exc))
 
 
 def _is_backpressure(exc: BaseException) -> bool:

@@ -35,7 +35,10 @@ def target_only_decode(pair: ModelPair, prompt_ids: list[int], params: SamplingP
     eos = set(pair.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids)
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
     temperature = torch.tensor([params.temperature], dtype=torch.float32)
-    decode = pair.tokenizer.decode
+
+    def decode(ids: list[int]) -> str:
+        return str(pair.tokenizer.decode(ids, skip_special_tokens=True))
+
     out: list[int] = []
     text: str | None = None
     finish: str | None = None
@@ -56,12 +59,13 @@ def target_only_decode(pair: ModelPair, prompt_ids: list[int], params: SamplingP
             elif len(out) >= params.max_new_tokens:
                 finish = "length"
             if params.stop:
-                decoded = decode(out, skip_special_tokens=True)
+                decoded = decode(out)
                 hits = [i for i in (decoded.find(s) for s in params.stop) if i >= 0]
                 if hits:
                     text, finish = decoded[: min(hits)], "stop"
             feed = torch.tensor([[token]], dtype=torch.long)
     elapsed = time.perf_counter() - started
     if text is None:
-        text = decode(out, skip_special_tokens=True)
+        text = decode(out)
+    assert finish is not None  # the loop ends only with a reason
     return TargetOnlyOutput(token_ids=out, text=text, finish_reason=finish, time_s=elapsed, prefill_s=prefill_s)

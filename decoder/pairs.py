@@ -92,7 +92,7 @@ def _load_smollm2(spec: PairSpec, options: LoadOptions) -> ModelPair:
     # The draft is derived from the target's fp32 weights, so load fp32 and cast afterwards.
     base, tokenizer = model_fetch.load_smollm2(spec.name, torch.float32)
     draft = _make_draft(base, wanted_draft, copy_of=True)
-    target = base.to(target_dtype)
+    target = base.to(target_dtype)  # type: ignore[arg-type]  # transformers types .to's wrapper oddly
     return _assemble(spec.name, target, draft, tokenizer, spec.description)
 
 

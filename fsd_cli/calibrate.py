@@ -159,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
     source = Profile.load(args.acceptance_from) if args.acceptance_from is not None else None
 
     torch.set_num_threads(args.threads)
-    log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"fsd calibrate: {msg}", file=sys.stderr))
+    def log(msg: str) -> None:
+        if not args.no_progress:
+            print(f"fsd calibrate: {msg}", file=sys.stderr)
+
     log(f"loading pair {args.pair} ...")
     from decoder.pairs import load_pair
 

@@ -42,7 +42,7 @@ def test_autoscaled_replica_gets_current_threshold(ray_serve: RayServe) -> None:
 
         async def load(stop_at: float, completed: asyncio.Event) -> list[int]:
             codes: list[int] = []
-            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:  # queued behind the load
                 async def worker() -> None:
                     while time.monotonic() < stop_at:
                         r = await c.post("/v1/completions", json={"prompt": "scale", "max_tokens": 200})

@@ -11,7 +11,7 @@ import pytest
 
 from tests.controller.conftest import RayServe, tiny_config, wait_until
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]  # deploying on a busy machine takes minutes
 
 APP = "fsd-timeout"
 

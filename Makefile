@@ -29,8 +29,8 @@ demo: venv
 	$(BIN)/fsd demo
 
 test: venv
-	$(BIN)/ruff check decoder policies sim controller fsd_cli tests benchmarks
-	$(BIN)/mypy policies
+	$(BIN)/ruff check decoder policies sim controller fsd_cli fsd_common tests benchmarks
+	$(BIN)/mypy policies sim fsd_cli fsd_common decoder/calibration.py decoder/baseline.py decoder/pairs.py
 	$(BIN)/python -m pytest -q -ra
 
 bench: venv

@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from decoder.baseline import target_only_decode  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
-from decoder.sampling import greedy, sample, sampling_probs  # noqa: E402
+from decoder.pairs import find_pair_spec, load_pair  # noqa: E402
 
 CHAT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -90,25 +91,11 @@ def build_settings(thresholds: list[float], divs: list[str], pure_thresholds: li
 # ------------------------------------------------------------------------------------------ runners
 
 
-@torch.inference_mode()
 def run_target_only(pair: Any, prompt: list[int], params: SamplingParams) -> dict[str, float]:
-    """Plain autoregressive decoding with the target and a KV cache (the baseline)."""
-    from transformers import DynamicCache
-
-    generator = torch.Generator().manual_seed(params.seed or 0)
-    start = time.perf_counter()
-    cache = DynamicCache(config=pair.target.config)
-    logits = pair.target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    prefill = time.perf_counter() - start
-    tokens = 0
-    while True:
-        probs = sampling_probs(logits.float(), params.temperature, params.top_k, params.top_p)
-        token = greedy(probs) if params.greedy else sample(probs, generator)
-        tokens += 1
-        if tokens == params.max_new_tokens:
-            break
-        logits = pair.target(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1]
-    return {"tokens": tokens, "time_s": time.perf_counter() - start, "prefill_s": prefill, "iterations": tokens}
+    """Plain autoregressive decoding with the target and a KV cache (the baseline, decoder/baseline.py)."""
+    out = target_only_decode(pair, prompt, params)
+    tokens = len(out.token_ids)
+    return {"tokens": tokens, "time_s": out.time_s, "prefill_s": out.prefill_s, "iterations": tokens}
 
 
 @torch.inference_mode()
@@ -299,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         args.thresholds, args.divs, args.pure_thresholds = "0.3,1.0", "kl,js", "0.3"
     if args.threads:
         torch.set_num_threads(args.threads)
-    elif args.pair == "tiny":
-        torch.set_num_threads(1)
+    elif (spec := find_pair_spec(args.pair)) is not None and spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
     if not 1 <= args.prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be in 1..{len(PROMPTS)}, got {args.prompts}")
     thresholds = [float(t) for t in args.thresholds.split(",") if t]
@@ -310,10 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(modes) - {"greedy", "sample"}:
         raise SystemExit(f"unknown mode in --modes {args.modes!r}; use greedy and/or sample")
 
-    from decoder.models import load_pair, tiny_pair
-
     load_start = time.perf_counter()
-    pair = tiny_pair(seed=0) if args.pair == "tiny" else load_pair(args.pair)
+    pair = load_pair(args.pair)
     load_s = time.perf_counter() - load_start
     prompts = [pair.encode_prompt(p) for p in PROMPTS[: args.prompts]]
     settings = build_settings(thresholds, divs, pure_thresholds, hf=not args.no_hf)

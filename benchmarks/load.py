@@ -237,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(x) for x in args.rates.split(",")]
     if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
         raise SystemExit(f"--rates must be positive numbers, got {args.rates!r}")
-    tiny = args.pair == "tiny"
+    from decoder.pairs import find_pair_spec
+
+    spec = find_pair_spec(args.pair)
+    tiny = spec is not None and spec.test_pair  # random weights, millisecond steps: SLOs it can break
     args.interval = args.interval or (0.5 if tiny else 1.0)
     args.tiers = [t.strip() for t in args.tier.split(",") if t.strip()]
     args.tier = args.tiers[0]

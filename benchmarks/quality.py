@@ -126,46 +126,12 @@ class Generation:
 
 
 def target_only_decode(pair: Any, prompt_ids: list[int], params: Any) -> Generation:
-    """The baseline: the target alone, one token per forward over a KV cache.
+    """The baseline: the target alone (decoder/baseline.py), as a :class:`Generation`."""
+    from decoder.baseline import target_only_decode as decode_target_only
 
-    Same sampling transforms (decoder.sampling), per-request generator, eos and stop-string handling as
-    the engine (the text is cut before the first stop string; tokens up to the one completing it count).
-    """
-    import torch
-    from transformers import DynamicCache
-
-    from decoder.sampling import greedy, sample, sampling_probs
-
-    eos = set(pair.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids)
-    generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-    temperature = torch.tensor([params.temperature], dtype=torch.float32)
-    cache = DynamicCache()
-    decode = pair.tokenizer.decode
-    out: list[int] = []
-    text: str | None = None
-    finish: str | None = None
-    started = time.perf_counter()
-    with torch.inference_mode():
-        feed = torch.tensor([prompt_ids], dtype=torch.long)
-        while finish is None:
-            logits = pair.target(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            probs = sampling_probs(logits.float(), temperature, params.top_k, params.top_p)
-            token = int(greedy(probs)[0] if params.greedy else sample(probs, [generator])[0])
-            out.append(token)
-            if token in eos:
-                finish = "stop"
-            elif len(out) >= params.max_new_tokens:
-                finish = "length"
-            if params.stop:
-                decoded = decode(out, skip_special_tokens=True)
-                hits = [i for i in (decoded.find(s) for s in params.stop) if i >= 0]
-                if hits:
-                    text, finish = decoded[: min(hits)], "stop"
-            feed = torch.tensor([[token]], dtype=torch.long)
-    elapsed = time.perf_counter() - started
-    if text is None:
-        text = decode(out, skip_special_tokens=True)
-    return Generation(text, len(out), elapsed, finish, iterations=len(out))
+    out = decode_target_only(pair, prompt_ids, params)
+    n = len(out.token_ids)
+    return Generation(out.text, n, out.time_s, out.finish_reason, iterations=n)
 
 
 class Decoders:
@@ -216,13 +182,12 @@ class Decoders:
 
 
 def load_model_pair(name: str) -> Any:
-    """A shipped pair by name, or ``tiny`` (random weights, for tests and plumbing checks)."""
-    from decoder.models import load_pair, tiny_pair
+    """A registered pair by name (``tiny``: random weights, for tests and plumbing checks) or 'target,draft'."""
+    from decoder.pairs import load_pair
 
-    if name == "tiny":
-        # HumanEval prompts are 400-2000 byte tokens with the tiny byte-level tokenizer.
-        return tiny_pair(seed=0, max_position_embeddings=4096)
-    return load_pair(name)
+    # max_context: a pair built in memory gets room for HumanEval prompts (400-2000 byte tokens with the
+    # tiny byte-level tokenizer); loaded pairs keep their own context.
+    return load_pair(name, max_context=4096)
 
 
 def prompt_ids(pair: Any, problem: humaneval.Problem) -> list[int]:

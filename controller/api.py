@@ -60,7 +60,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.config import FSDConfig, format_validation_error, parse_config
+from controller.config import FSDConfig, parse_config
 from controller.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,6 +69,7 @@ from controller.openai_schema import (
 )
 from controller.recording import RequestRecording, TrafficRecorder
 from controller.rollout import ShadowEstimator
+from fsd_common.validation import first_error_path, format_validation_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -91,8 +92,7 @@ class HTTPError(Exception):
 
 
 def _validation_error(exc: ValidationError) -> HTTPError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    param = first_error_path(exc)
     message = format_validation_error(exc)
     if param is None and ":" in message:  # whole-model checks start their message with the field's name
         head = message.split(":", 1)[0]

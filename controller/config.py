@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fsd_common.validation import format_validation_error
 from policies.slo import SLOSpec
 
 #: Environment variable that names the config file for ``serve run controller.app:app``.
@@ -211,19 +212,6 @@ class FSDConfig(_Section):
     @property
     def model_name(self) -> str:
         return self.http.model_name or self.model.pair
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per error, each starting with the dotted path of the offending field."""
-    lines = []
-    for err in exc.errors():
-        msg = err["msg"].removeprefix("Value error, ")
-        if not err["loc"]:  # whole-model checks already start their message with the field's path
-            lines.append(msg)
-            continue
-        path = ".".join(str(p) for p in err["loc"])
-        lines.append(f"{path}: {msg}")
-    return "; ".join(lines)
 
 
 def parse_config(data: dict[str, Any] | None) -> FSDConfig:

@@ -235,7 +235,7 @@ class FSDController:
         """Validate a new SLOSpec (and the policies rebuilt against it), then swap and push at once."""
         from pydantic import ValidationError
 
-        from controller.config import format_validation_error
+        from fsd_common.validation import format_validation_error
 
         try:
             new_slo = SLOSpec.model_validate(dict(slo))

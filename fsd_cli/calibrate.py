@@ -124,15 +124,6 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return CalibrationSettings.from_dict(data)
 
 
-def load_named_pair(name: str, dtype: str | None = None, draft_dtype: str | None = None) -> Any:
-    """A shipped pair by name, or ``tiny`` (the random test pair, for smoke runs)."""
-    from decoder.models import load_pair, tiny_pair
-
-    if name == "tiny":
-        return tiny_pair()
-    return load_pair(name, dtype=dtype, draft_dtype=draft_dtype)
-
-
 def calibrate(pair: ModelPair, settings: CalibrationSettings, *, command: str = "", progress: bool = False,
               log: Callable[[str], None] | None = None, acceptance_from: Profile | None = None) -> Profile:
     """Measure ``pair`` (decoder/calibration.py) and fit its Profile (sim/profile_fit.py).
@@ -168,9 +159,14 @@ def run(args: argparse.Namespace) -> int:
     source = Profile.load(args.acceptance_from) if args.acceptance_from is not None else None
 
     torch.set_num_threads(args.threads)
-    log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"fsd calibrate: {msg}", file=sys.stderr))
+    def log(msg: str) -> None:
+        if not args.no_progress:
+            print(f"fsd calibrate: {msg}", file=sys.stderr)
+
     log(f"loading pair {args.pair} ...")
-    pair = load_named_pair(args.pair, args.dtype, args.draft_dtype)
+    from decoder.pairs import load_pair
+
+    pair = load_pair(args.pair, dtype=args.dtype, draft_dtype=args.draft_dtype)
     if sys.argv[1:2] == ["calibrate"]:
         command = shlex.join(["fsd", *sys.argv[1:]])
     else:  # called in-process (tests, scripts): say so, with the parsed flags

@@ -139,10 +139,13 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be in [1, 1000], got {args.requests}")
     if not 5 <= args.duration <= 1800:
         raise ValueError(f"--duration must be in [5, 1800] seconds, got {args.duration}")
-    tiny = args.pair == "tiny"
-    interval = args.interval if args.interval is not None else (0.5 if tiny else 2.0)
+    from decoder.pairs import find_pair_spec
+
+    spec = find_pair_spec(args.pair)
+    fast = spec is not None and spec.test_pair
+    interval = args.interval if args.interval is not None else (0.5 if fast else 2.0)
     slo = None
-    if tiny:  # the tiny random pair is fast: give it SLOs a burst on 2 cores can break
+    if fast:  # a random test pair is fast: give it SLOs a burst on 2 cores can break
         slo = {"tiers": {"lossless": {"fixed_threshold": 0.0, "max_threshold": 0.0},
                          "standard": {"tpot_ms": 8.0, "max_mean_distortion": 0.5, "max_threshold": 1.0},
                          "economy": {"tpot_ms": 15.0, "max_mean_distortion": 0.8, "max_threshold": 4.0}},

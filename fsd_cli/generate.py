@@ -9,7 +9,7 @@ import json
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("generate", help="generate text with fuzzy speculative decoding")
     parser.add_argument("prompt", help="the user message (sent through the chat template unless --raw)")
-    parser.add_argument("--pair", default="smollm2-135m", help='model pair name, or "tiny" for a tiny random pair')
+    parser.add_argument("--pair", default="smollm2-135m", help="registered pair name (see `fsd models list`; tiny = random test pair) or 'target,draft' paths")
     parser.add_argument("--threshold", "-T", type=float, default=0.0, help="fuzzy threshold T (0 = exact SD)")
     parser.add_argument("--div", default="kl", help="divergence: kl, reverse_kl, js, tv, draft_tokens")
     parser.add_argument("--rule", default="reducible", help="acceptance rule: reducible or pure")
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from decoder.engine import SamplingParams
     from decoder.generate import generate_text
-    from decoder.models import load_pair, tiny_pair
+    from decoder.pairs import find_pair_spec, load_pair
 
     params = SamplingParams(
         temperature=0.0 if args.greedy else args.temperature,
@@ -42,11 +42,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     params.validate()  # fail on bad flags before spending ~20 s loading a model
-    if args.pair == "tiny":
-        torch.set_num_threads(1)  # a tiny model only loses time to OpenMP thread hand-offs
-        pair = tiny_pair(seed=0)
-    else:
-        pair = load_pair(args.pair)
+    spec = find_pair_spec(args.pair)
+    if spec is not None and spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
+    pair = load_pair(args.pair)
     with torch.inference_mode():
         result = generate_text(
             pair,

@@ -6,11 +6,11 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("models", help="list or fetch the shipped draft/target model pairs")
+    parser = subparsers.add_parser("models", help="list or fetch the registered draft/target model pairs")
     actions = parser.add_subparsers(dest="models_action", metavar="ACTION")
     actions.required = True
 
-    list_parser = actions.add_parser("list", help="shipped pairs with their status and size on disk")
+    list_parser = actions.add_parser("list", help="registered pairs with their status and size on disk")
     list_parser.set_defaults(func=list_models)
 
     fetch_parser = actions.add_parser(
@@ -21,11 +21,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def list_models(args: argparse.Namespace) -> int:
-    from decoder.model_fetch import pair_status
-    from decoder.models import DEFAULT_PAIR, SHIPPED_PAIRS, cache_dir
+    from decoder.models import cache_dir
+    from decoder.pairs import DEFAULT_PAIR, PAIRS, pair_status
 
     rows = []
-    for name in SHIPPED_PAIRS:
+    for name in PAIRS:
         status = pair_status(name)
         label = f"{name} (default)" if name == DEFAULT_PAIR else name
         rows.append((label, status.state, _human_bytes(status.size_bytes), status.description))
@@ -40,7 +40,8 @@ def list_models(args: argparse.Namespace) -> int:
 def fetch_model(args: argparse.Namespace) -> int:
     import sys
 
-    from decoder.model_fetch import FetchError, fetch_pair
+    from decoder.model_fetch import FetchError
+    from decoder.pairs import fetch_pair
 
     try:
         status = fetch_pair(args.name)

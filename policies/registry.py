@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fsd_common.validation import format_validation_error
 from policies.bandit import BanditPolicy
 from policies.base import Policy
 from policies.feedforward import FeedForwardPolicy, LinearLatencyModel, SpeedCurve, SpeedPoint
@@ -168,14 +169,6 @@ POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 DEFAULT_POLICY_SPEC: dict[str, Any] = {"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}
 
 
-def _validation_message(prefix: str, err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        parts.append(f"{prefix}.{loc}: {e['msg']}" if loc else f"{prefix}: {e['msg']}")
-    return "; ".join(parts)
-
-
 def _normalise_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(spec, str):
         text = spec.strip()
@@ -226,7 +219,7 @@ def make_policy(
     try:
         params = params_model.model_validate(raw)
     except ValidationError as exc:
-        raise ValueError(_validation_message(name, exc)) from None
+        raise ValueError(format_validation_error(exc, root=name)) from None
     if guards_raw is False or guards_raw is None:
         guard_params: GuardParams | None = None
     else:
@@ -235,7 +228,7 @@ def make_policy(
         try:
             guard_params = GuardParams.model_validate(guards_raw)
         except ValidationError as exc:
-            raise ValueError(_validation_message("guards", exc)) from None
+            raise ValueError(format_validation_error(exc, root="guards")) from None
     try:
         policy = build(params, slo, _Context(speed_curve, latency_model))
     except ValueError as exc:

@@ -39,14 +39,14 @@ def load_slo(path: str | None) -> SLOSpec:
     """The SLO spec in a YAML/JSON file, or ``SLOSpec.default()`` without one."""
     from pydantic import ValidationError
 
+    from fsd_common.validation import format_validation_error
+
     if path is None:
         return SLOSpec.default()
     try:
         return SLOSpec.model_validate(load_mapping(Path(path), "slo"))
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-        raise ValueError(f"slo {path!r}: {loc}: {err['msg']}") from None
+        raise ValueError(f"slo {path!r}: {format_validation_error(exc, first_only=True)}") from None
 
 
 def policy_spec(text: str) -> str | dict[str, Any]:

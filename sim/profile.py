@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fsd_common.validation import format_validation_error
+
 if TYPE_CHECKING:
     from policies.feedforward import LinearLatencyModel, SpeedCurve
 
@@ -203,7 +205,7 @@ class Profile(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ValueError(f"profile {str(path)!r}: {_first_error(exc)}") from None
+            raise ValueError(f"profile {str(path)!r}: {format_validation_error(exc, first_only=True)}") from None
 
     @classmethod
     def default(cls) -> Profile:
@@ -333,8 +335,3 @@ def _check_threshold(threshold: float) -> None:
     if not (math.isfinite(threshold) and threshold >= 0):
         raise ValueError(f"threshold must be finite and >= 0, got {threshold}")
 
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-    return f"{loc}: {err['msg']}"

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fsd_common.validation import format_validation_error
 from policies.base import Policy
 from policies.decision import Decision
 from policies.slo import SLOSpec
@@ -59,9 +60,7 @@ class SimConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-            raise ValueError(f"{source}: {loc}: {err['msg']}") from None
+            raise ValueError(f"{source}: {format_validation_error(exc, first_only=True)}") from None
 
 
 @dataclass

@@ -22,6 +22,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fsd_common.validation import format_validation_error
 from sim.trace import AZURE_ATTRIBUTION, read_azure_trace
 
 # ---------------------------------------------------------------- arrival shapes
@@ -239,7 +240,7 @@ class Workload(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ValueError(f"{source}: {_first_error(exc)}") from None
+            raise ValueError(f"{source}: {format_validation_error(exc, first_only=True)}") from None
 
     # ---- generation
 
@@ -383,8 +384,3 @@ def _clip_to_context(prompt: np.ndarray, output: np.ndarray, max_context: int) -
         )
     return p.astype(np.int64), o.astype(np.int64), notes
 
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-    return f"{loc}: {err['msg']}"

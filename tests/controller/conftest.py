@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -55,6 +57,31 @@ def ray_serve() -> Iterator[RayServe]:
 
 
 ADMIN_TOKEN = "test-admin-token"
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = 0.2) -> T:
+    """Poll ``condition`` until it returns something truthy, at most ``timeout_s``; that value.
+
+    A bounded wait for a state the service reaches on its own ticks (a control tick, a replica report),
+    not a sleep for a fixed time: it returns as soon as the state is there, and a state never reached fails
+    with ``what`` and the last exception the condition raised. Deadlines are generous (a busy machine is
+    slow, not broken).
+    """
+    deadline = time.monotonic() + timeout_s
+    last_exc: Exception | None = None
+    pace = threading.Event()  # never set: wait() paces the polls without a bare sleep
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # not there yet (a request timing out on a busy machine, say)
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")
+        pace.wait(poll_s)
 
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:

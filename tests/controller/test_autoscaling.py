@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
+from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config, wait_until
 
 # slow: the scale-up waits on Serve's autoscaler (seconds on a quiet machine, minutes on a saturated one).
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -40,29 +40,38 @@ def test_autoscaled_replica_gets_current_threshold(ray_serve: RayServe) -> None:
         def status() -> dict[str, Any]:
             return httpx.get(f"{url}/v1/fsd/status", params={"history": 0}, timeout=10).json()
 
-        async def load(stop_at: float) -> list[int]:
+        async def load(stop_at: float, completed: asyncio.Event) -> list[int]:
             codes: list[int] = []
-            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:  # queued behind the load
                 async def worker() -> None:
                     while time.monotonic() < stop_at:
                         r = await c.post("/v1/completions", json={"prompt": "scale", "max_tokens": 200})
                         codes.append(r.status_code)
+                        completed.set()
                         if len(status_replicas) >= 2:
                             return
                 await asyncio.gather(*(worker() for _ in range(10)))
+            completed.set()
             return codes
 
         status_replicas: list[Any] = []
 
-        async def watch(stop_at: float) -> None:
-            while time.monotonic() < stop_at and len(status_replicas) < 2:
-                await asyncio.sleep(0.5)
+        async def watch(stop_at: float, completed: asyncio.Event) -> None:
+            # Driven by the load: each finished request (the autoscaler's own signal moves with them) is a
+            # tick to look at the status again; no fixed sleep.
+            while len(status_replicas) < 2:
+                try:
+                    await asyncio.wait_for(completed.wait(), timeout=max(stop_at - time.monotonic(), 0.0))
+                except TimeoutError:
+                    return
+                completed.clear()
                 with contextlib.suppress(Exception):  # status may time out on a busy machine: poll again
                     status_replicas[:] = (await asyncio.to_thread(status))["replicas"]
 
         async def scenario() -> list[int]:
             stop_at = time.monotonic() + 300
-            codes, _ = await asyncio.gather(load(stop_at), watch(stop_at))
+            completed = asyncio.Event()
+            codes, _ = await asyncio.gather(load(stop_at, completed), watch(stop_at, completed))
             return codes
 
         t0 = time.monotonic()
@@ -71,14 +80,15 @@ def test_autoscaled_replica_gets_current_threshold(ray_serve: RayServe) -> None:
         assert set(codes) <= {200}, codes
         assert len(status_replicas) == 2, "the autoscaler should add a second replica under load"
         # Every replica, the new one included, runs the controller's current T and version.
-        deadline = time.monotonic() + 120  # a tick is 0.2 s; a busy machine stretches it
-        while time.monotonic() < deadline:
+        def replicas_at_current_threshold() -> list[Any] | None:
             st = status()
             reps = st["replicas"]
-            if len(reps) == 2 and all(r["thresholds"]["standard"] == 0.4 and r["version"] == st["version"]
-                                      for r in reps):
-                break
-            time.sleep(0.2)
+            current = len(reps) == 2 and all(r["thresholds"]["standard"] == 0.4 and r["version"] == st["version"]
+                                             for r in reps)
+            return reps if current else None
+
+        # The controller pushes T every tick (0.2 s); a busy machine stretches ticks, hence the deadline.
+        reps = wait_until(replicas_at_current_threshold, 120, "both replicas to run the current T and version")
         assert len(reps) == 2 and all(r["thresholds"] == {"lossless": 0.0, "standard": 0.4, "economy": 1.0}
                                       for r in reps), reps
         assert ADMIN_TOKEN  # the app is the same as the main service, only the Serve options differ

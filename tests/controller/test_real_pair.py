@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.controller.conftest import RayServe, tiny_config
+from tests.controller.conftest import RayServe, tiny_config, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,12 +33,12 @@ def test_real_pair_chat_completion(ray_serve: RayServe) -> None:
         assert "Paris" in data["choices"][0]["message"]["content"]
         # Lossless tier: T = 0, so greedy output is exactly the target's greedy answer.
         assert data["fsd"]["threshold"] == 0.0 and data["fsd"]["drafted_tokens"] > 0
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        def replicas_report_the_pair() -> list[Any] | None:
             st = httpx.get(f"{url}/v1/fsd/status", timeout=10).json()
-            if st["replicas"] and st["replicas"][0]["pair"] == "smollm2-135m":
-                break
-            time.sleep(0.5)
-        assert st["replicas"][0]["pair"] == "smollm2-135m"
+            return st["replicas"] if st["replicas"] and st["replicas"][0]["pair"] == "smollm2-135m" else None
+
+        # The controller reports a replica after its next stats tick.
+        replicas = wait_until(replicas_report_the_pair, 120, "the status to report the smollm2-135m replica")
+        assert replicas[0]["pair"] == "smollm2-135m"
     finally:
         serve.delete("fsd-real")

@@ -158,7 +158,7 @@ def test_cli_generate_prints_text_and_stats(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.slow
 def test_real_pair_greedy_exact_and_fuzzy_accepts_more() -> None:
-    from decoder.models import load_pair
+    from decoder.pairs import load_pair
 
     real = load_pair("smollm2-135m")
     prompts = [

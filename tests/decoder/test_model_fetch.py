@@ -16,9 +16,8 @@ from decoder.model_fetch import (
     FetchError,
     converted_dir,
     download_dir,
-    fetch_pair,
-    pair_status,
 )
+from decoder.pairs import fetch_pair, pair_status
 
 
 def _chunk(sha256: str, parts: int = 3) -> ChunkedGGUF:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,17 +10,15 @@ import pytest
 import torch
 
 from decoder.models import (
-    DEFAULT_PAIR,
-    SHIPPED_PAIRS,
     ModelPair,
     cache_dir,
     check_tokenizers_match,
     is_int8_dynamic,
-    load_pair,
     resolve_dtype,
     tiny_pair,
     tiny_tokenizer,
 )
+from decoder.pairs import DEFAULT_PAIR, PAIRS, SHIPPED_PAIRS, get_pair_spec, load_pair, pair_status, register
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -183,6 +182,28 @@ def test_shipped_pairs_include_default() -> None:
     assert set(SHIPPED_PAIRS) == {"smollm2-135m", "qwen2.5-coder-1.5b"}
 
 
+def test_tiny_pair_is_registered_like_any_other() -> None:
+    assert set(PAIRS) == {"smollm2-135m", "qwen2.5-coder-1.5b", "tiny"}
+    spec = get_pair_spec("tiny")
+    assert spec.test_pair and spec.torch_threads == 1 and "tiny" not in SHIPPED_PAIRS
+    pair = load_pair("tiny", seed=3)
+    same = tiny_pair(seed=3)
+    assert pair.name == same.name == "tiny-seed3" and _same_weights(pair.target, same.target)
+    assert load_pair("tiny", max_context=1024).max_context == 1024
+    status = pair_status("tiny")
+    assert status.available and status.size_bytes == 0
+    with pytest.raises(ValueError, match="unknown model pair 'gpt-5'; known pairs: smollm2-135m, qwen2.5-coder-1.5b, tiny"):
+        get_pair_spec("gpt-5")
+
+
+def test_registry_rejects_a_duplicate_or_comma_name() -> None:
+    spec = get_pair_spec("tiny")
+    with pytest.raises(ValueError, match="already registered"):
+        register(spec)
+    with pytest.raises(ValueError, match="no commas"):
+        register(dataclasses.replace(spec, name="a,b"))
+
+
 def test_qwen_not_fetched_names_fetch_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FSD_CACHE_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="run: fsd models fetch qwen2.5-coder-1.5b"):
@@ -319,8 +340,6 @@ _USER_CACHE = cache_dir()
 
 
 def _qwen_fetched() -> bool:
-    from decoder.model_fetch import pair_status
-
     return pair_status("qwen2.5-coder-1.5b").available
 
 

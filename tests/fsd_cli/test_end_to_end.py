@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 # (Ray's raylet, GCS, workers) re-parent to it instead of to init. After the command exits, any child
 # still alive is something the command left behind — whatever else runs on the machine.
 REAPER = r"""
-import ctypes, json, os, subprocess, sys, time
+import ctypes, json, os, select, subprocess, sys, time
 if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
     print(json.dumps({"error": "prctl failed"}), file=sys.stderr); sys.exit(3)
 proc = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=540)
@@ -42,9 +42,21 @@ while True:
     except ChildProcessError:
         pass
     left = children()
-    if not left or time.monotonic() > deadline:
+    remaining = deadline - time.monotonic()
+    if not left or remaining <= 0:
         break
-    time.sleep(0.5)
+    # Wake when one of them exits (a pidfd turns readable), not after a fixed sleep.
+    fds = []
+    for pid in left:
+        try:
+            fds.append(os.pidfd_open(int(pid)))
+        except ProcessLookupError:  # already gone: reap it on the next pass
+            pass
+    try:
+        select.select(fds, [], [], remaining if fds else 0)
+    finally:
+        for fd in fds:
+            os.close(fd)
 print(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-4000:],
                   "leftover": left}))
 """

@@ -21,6 +21,7 @@ def test_models_list_shows_every_pair_and_status(capsys: pytest.CaptureFixture[s
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert "(default)" in lines["smollm2-135m"]
     assert "not fetched (fsd models fetch qwen2.5-coder-1.5b, ~1.6 GB download)" in lines["qwen2.5-coder-1.5b"]
+    assert "built in memory" in lines["tiny"]  # the test pair is registered like the others
     assert f"cache: {empty_cache}" in out
 
 

@@ -84,8 +84,6 @@ def check_port_free(host: str, port: int) -> None:
 
 def check_pair_available(pair: str, local: bool) -> None:
     """ValueError naming the pair if it is unknown, or (on a local cluster) not fetched / not on disk."""
-    if pair == "tiny":
-        return
     if "," in pair:  # "target,draft" paths or hub ids: must be on disk or in the offline HF cache
         if local:
             for source in (part.strip() for part in pair.split(",", 1)):
@@ -93,14 +91,11 @@ def check_pair_available(pair: str, local: bool) -> None:
                     raise ValueError(f"model {source!r} of pair {pair!r} is neither a local path nor in the "
                                      "local Hugging Face cache (the runtime never downloads)")
         return
-    from decoder import model_fetch
-    from decoder.models import SHIPPED_PAIRS
+    from decoder.pairs import get_pair_spec
 
-    if pair not in SHIPPED_PAIRS:
-        raise ValueError(f"unknown model pair {pair!r}; known pairs: {', '.join(SHIPPED_PAIRS)}, tiny "
-                         "(or 'target_path,draft_path')")
+    spec = get_pair_spec(pair)  # ValueError listing the registered pairs
     if local:
-        status = model_fetch.pair_status(pair)
+        status = spec.status(spec)
         if not status.available:
             raise ValueError(f"model pair {pair!r} is not available: {status.state}")
 

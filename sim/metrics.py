@@ -9,9 +9,10 @@ Notation, for request r with n_r output tokens:
     D_r    = Σ per-token TV distortion of r's emitted tokens (prefill and target-sampled tokens add 0)
 
 A request *meets its SLO* when it completed and every latency target its tier sets holds for it
-(targets are per request here; the tier's percentile applies to window summaries the policy sees).
-Rejected or unfinished requests are misses. Over a run of duration τ (first to last arrival window):
-    slo_attainment = #met / #arrivals           goodput_rps = #met / τ
+(TTFT and TPOT and E2E where set: DistServe's attainment). Rejected or unfinished requests are misses.
+A tier *meets its objective* (policies.slo) when its attainment is at least ``percentile / 100`` and
+its mean distortion is within its budget. Over a run of duration τ (first to last arrival window):
+    slo_attainment = #met / #arrivals (per tier and overall)    goodput_rps = #met / τ
     mean_distortion = Σ_r D_r / Σ_r n_r (per emitted token)
     cost_per_1k_tokens = replica_seconds / (Σ output tokens / 1000)
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.slo import SLOSpec
+from policies.slo import SLOSpec, TierOutcome, meets_objective, within_budget
 from policies.telemetry import LatencySummary, TierWindow
 from sim.entities import RequestTable
 
@@ -170,13 +171,20 @@ def summarize(
             continue
         sel = tiers_done == i
         tok = int(table.emitted[table.tier == i].sum())
+        attained = float(met[sel].sum()) / arrivals_i
+        distortion = float(table.distortion_sum[table.tier == i].sum()) / tok if tok else 0.0
+        spec = slo.tiers[name]
+        outcome = TierOutcome(attainment=attained, mean_distortion=distortion)
         per_tier[name] = {
             "arrivals": arrivals_i,
             "completed": int(sel.sum()),
-            "slo_attainment": round(float(met[sel].sum()) / arrivals_i, 5),
+            "slo_attainment": round(attained, 5),
+            "attainment_target": spec.attainment_target,
+            "within_budget": within_budget(spec, outcome),
+            "meets_objective": meets_objective(spec, outcome),
             "tpot_ms": _pct(tpot[sel]),
             "ttft_ms": _pct(ttft[sel]),
-            "mean_distortion": round(float(table.distortion_sum[table.tier == i].sum()) / tok, 5) if tok else 0.0,
+            "mean_distortion": round(distortion, 5),
         }
     cost_per_1k = replica_seconds / (out_tokens / 1000.0) if out_tokens else math.nan
     summary: dict[str, Any] = {

@@ -107,7 +107,7 @@ def test_guards_block_configures_the_wrappers() -> None:
             r"^pid\.metric: Input should be 'tpot', 'ttft', 'e2e', 'queue_delay' or 'tpot_live'",
         ),
         ({"policy": "pid", "tiers": ["gold"]}, r"^pid: unknown tier 'gold'"),
-        ({"policy": "pid", "metric": "ttft"}, r"^pid\.metric: no unpinned tier has a target for 'ttft'"),
+        ({"policy": "pid", "metric": "e2e"}, r"^pid\.metric: no unpinned tier has a target for 'e2e'"),
         ({"policy": "bandit", "window": 0}, r"^bandit\.window: Input should be greater than or equal to 1"),
         ({"policy": "bandit", "arms": [0.0, 2.0]}, r"^bandit\.arms\[1\]: T=2.0 outside tier 'standard'"),
         ({"policy": "bandit", "context": "moon_phase"}, r"^bandit\.context: Input should be"),

@@ -36,6 +36,7 @@ class _Params(BaseModel):
 
 class StaticParams(_Params):
     thresholds: float | dict[str, float] = Field(0.0, description="one T for every tier, or tier → T")
+    draft_lengths: int | dict[str, int] | None = Field(None, description="one k for every tier, or tier → k")
 
 
 class PIDParams(_Params):
@@ -55,6 +56,7 @@ class PIDParams(_Params):
 class BanditParams(_Params):
     tier: str | None = None
     arms: list[float] | list[tuple[float, int]] | None = None
+    min_credited: int = Field(3, ge=1)
     window: int | None = Field(100, ge=1)
     discount: float | None = Field(None, gt=0, le=1)
     c: float = Field(0.2, ge=0)
@@ -101,7 +103,7 @@ class GuardParams(_Params):
 
 
 def _build_static(p: StaticParams, slo: SLOSpec, ctx: _Context) -> Policy:
-    return StaticPolicy(slo, p.thresholds)
+    return StaticPolicy(slo, p.thresholds, p.draft_lengths)
 
 
 def _build_pid(p: PIDParams, slo: SLOSpec, ctx: _Context) -> Policy:
@@ -259,7 +261,7 @@ def describe(policy: object) -> dict[str, Any]:
     if last is not None:
         out["last_decision"] = {
             "thresholds": dict(last.thresholds),
-            "draft_length": last.draft_length,
+            "draft_lengths": dict(last.draft_lengths),
             "replicas": last.replicas,
             "reason": last.reason,
         }

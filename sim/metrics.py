@@ -95,6 +95,8 @@ def tier_windows(
     tier_distortion: np.ndarray,
     latencies: Latencies | None = None,
     overall: tuple[LatencySummary, LatencySummary, LatencySummary] | None = None,
+    tier_seq_iters: np.ndarray | None = None,
+    draft_lengths: dict[str, int] | None = None,
 ) -> tuple[dict[str, TierWindow], np.ndarray]:
     """Per-tier window slices for the completions of one window, and the per-request met mask.
 
@@ -109,11 +111,15 @@ def tier_windows(
     out: dict[str, TierWindow] = {}
     for i, name in enumerate(table.tier_names):
         tokens = float(tier_tokens[i])
+        seq_iters = int(round(float(tier_seq_iters[i]))) if tier_seq_iters is not None else 0
+        k = draft_lengths.get(name) if draft_lengths is not None else None
         if not completed_ids.size or not (sel := tiers == i).any():
             out[name] = TierWindow(
                 threshold=thresholds[name],
                 mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
                 output_tokens=int(tokens),
+                draft_length=k,
+                sequence_iterations=seq_iters,
             )
             continue
         n_sel = int(sel.sum())
@@ -132,7 +138,9 @@ def tier_windows(
             tpot=tpot_s,
             e2e=e2e_s,
             mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
-            output_tokens=int(tokens),
+            output_tokens=int(round(tokens)),
+            draft_length=k,
+            sequence_iterations=seq_iters,
         )
     return out, met
 

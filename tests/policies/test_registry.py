@@ -68,7 +68,7 @@ def test_static_shorthand_and_json_string() -> None:
 def test_bandit_arms_with_draft_length_from_json_lists() -> None:
     policy = make_policy({"policy": "bandit", "arms": [[0.5, 3], [1.0, 5]], "guards": False}, make_slo())
     decision = policy.decide(make_telemetry())
-    assert (decision.thresholds["standard"], decision.draft_length) in {(0.5, 3), (1.0, 5)}
+    assert (decision.thresholds["standard"], decision.draft_lengths["standard"]) in {(0.5, 3), (1.0, 5)}
 
 
 def test_feedforward_takes_curve_and_latency_from_the_caller() -> None:
@@ -91,7 +91,7 @@ def test_guards_block_configures_the_wrappers() -> None:
     bare = make_policy({"policy": "static", "thresholds": 0.5, "guards": False}, make_slo())
     assert describe(bare) == {
         "name": "static",
-        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}},
+        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}, "draft_lengths": {}},
         "last_decision": None,
     }
 

@@ -98,6 +98,7 @@ def build_policy(text: str, slo: Any, profile: Any, k: int | None = None) -> Any
     return make_policy(
         policy_spec(text), slo,
         speed_curve=profile.to_speed_curve(k=k), latency_model=profile.to_latency_model(k=k),
+        operating_model=profile.to_operating_model(),
     )
 
 

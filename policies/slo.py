@@ -164,13 +164,13 @@ class SLOSpec(BaseModel):
     def default(cls) -> SLOSpec:
         """The shipped SLO: lossless, standard and economy tiers sized for the default small pair.
 
-        ``lossless`` is pinned at T = 0 and best-effort (no latency target); ``standard`` and ``economy``
-        state a p95 TTFT and a p95 TPOT target (sized for the hand-made 2-thread SmolLM2 profile) and a
-        distortion budget.
+        Every tier states a p95 TTFT and a p95 TPOT target (sized for the hand-made 2-thread SmolLM2
+        profile); ``lossless`` is pinned at T = 0 (only its k moves), ``standard`` and ``economy`` have a
+        distortion budget and a T ceiling.
         """
         return cls(
             tiers={
-                "lossless": TierSLO(fixed_threshold=0.0, max_threshold=0.0),
+                "lossless": TierSLO(fixed_threshold=0.0, max_threshold=0.0, ttft_ms=4000.0, tpot_ms=120.0),
                 "standard": TierSLO(
                     ttft_ms=2000.0, tpot_ms=60.0, max_mean_distortion=0.15, max_threshold=1.0
                 ),

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 if TYPE_CHECKING:
     from policies.feedforward import LinearLatencyModel, SpeedCurve
+    from policies.mpc import OperatingModel
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # Calibrated on the engine (``fsd calibrate``): SmolLM2-135M fp32 → int8, one torch thread, 2-core CPU.
@@ -278,14 +279,18 @@ class Profile(BaseModel):
         return "derived: verify_a_ms + verify_b_ms·B (the fitted target forward at k = 0; not measured)"
 
     def draft_lengths(self, div: str) -> list[int]:
-        """Draft lengths the profile models for ``div``: 0 (plain decoding, always) and the measured k."""
+        """Draft lengths with measured acceptance for ``div`` (k >= 1; see :meth:`available_draft_lengths`)."""
+        return sorted(k for d, k in self._grids if d == div)
+
+    def available_draft_lengths(self, div: str) -> list[int]:
+        """Draft lengths the simulator can run for ``div``: 0 (plain decoding, always) and the measured k."""
         if div not in self.divs():
             raise ValueError(f"div {div!r} is not in the profile; known divs: {self.divs()}")
-        return [0, *sorted(k for d, k in self._grids if d == div)]
+        return [0, *self.draft_lengths(div)]
 
     def thresholds(self, div: str, k: int) -> np.ndarray:
         if k == 0:
-            self.draft_lengths(div)  # ValueError naming an unknown div
+            self.available_draft_lengths(div)  # ValueError naming an unknown div
             return np.zeros(1)  # T has no effect at k = 0
         return self._grid(div, k).thresholds.copy()
 
@@ -369,6 +374,10 @@ class Profile(BaseModel):
             )
         )
 
+    def to_operating_model(self, div: str | None = None, source: str = "") -> OperatingModel:
+        """See :func:`to_operating_model`."""
+        return to_operating_model(self, div, source)
+
     def to_latency_model(self, k: int | None = None) -> LinearLatencyModel:
         """The same iteration-time model in the feed-forward policy's ``(b − 1)`` parameterisation."""
         from policies.feedforward import LinearLatencyModel
@@ -382,6 +391,31 @@ class Profile(BaseModel):
             verify_ms_per_seq=lat.verify_b_ms + lat.verify_c_ms * k,
             draft_length=k,
         )
+
+
+def to_operating_model(profile: Profile, div: str | None = None, source: str = "") -> OperatingModel:
+    """The model-predictive policy's plain-data model: (T, k) points of ``div`` (k = 0 included) and the
+    step cost. Lives beside :class:`Profile` so the policies package never imports the simulator."""
+    from policies.mpc import OperatingModel, OperatingPoint, StepCost
+
+    div = div or profile.default_div
+    points = [OperatingPoint(threshold=0.0, k=0, tokens_per_step=1.0, mean_distortion=0.0)]
+    for k in profile.draft_lengths(div):
+        for t in profile.thresholds(div, k):
+            points.append(OperatingPoint(
+                threshold=float(t), k=k,
+                tokens_per_step=profile.expected_tokens_per_iter(div, float(t), k),
+                mean_distortion=profile.mean_distortion(div, float(t), k),
+            ))
+    lat = profile.latency
+    plain_a, plain_b = lat.plain_coeffs()
+    cost = StepCost(
+        draft_fixed_ms=lat.draft_a_ms, draft_per_seq_ms=lat.draft_b_ms, verify_fixed_ms=lat.verify_a_ms,
+        verify_per_seq_ms=lat.verify_b_ms, verify_per_token_ms=lat.verify_c_ms, plain_fixed_ms=plain_a,
+        plain_per_seq_ms=plain_b, prefill_fixed_ms=lat.prefill_fixed_ms, prefill_ms_per_token=lat.prefill_ms_per_token,
+    )
+    return OperatingModel(points=tuple(points), cost=cost,
+                          source=source or f"{profile.provenance.pair} (div {div}; k = 0 {profile.plain_decoding_source})")
 
 
 def _check_threshold(threshold: float) -> None:

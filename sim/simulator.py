@@ -315,7 +315,7 @@ class Simulator:
             if t != self.thresholds[name]:
                 self.thresholds[name] = t
                 changed_tiers.add(self._tier_index[name])
-        available = self.profile.draft_lengths(self.div)
+        available = self.profile.available_draft_lengths(self.div)
         for name, k in decision.draft_lengths.items():
             if name not in self.draft_lengths:
                 continue  # an unknown tier: TierClamp drops it in guarded policies

@@ -13,13 +13,13 @@ def best(*outcomes: TierOutcome) -> TierOutcome:
     return min(outcomes, key=lambda o: objective_key(TIER, o))
 
 
-def test_default_slo_states_ttft_and_tpot_targets_on_every_budgeted_tier() -> None:
+def test_default_slo_states_ttft_and_tpot_targets_on_every_tier() -> None:
     slo = SLOSpec.default()
     for name, tier in slo.tiers.items():
-        if tier.max_mean_distortion is not None:
-            assert tier.ttft_ms is not None and tier.tpot_ms is not None, name
+        assert tier.ttft_ms is not None and tier.tpot_ms is not None, name
+        assert tier.has_latency_target
     assert slo.tiers["standard"].attainment_target == pytest.approx(0.95)
-    assert not slo.tiers["lossless"].has_latency_target
+    assert not TierSLO().has_latency_target
 
 
 def test_meeting_points_rank_by_distortion_then_cost() -> None:

@@ -40,7 +40,7 @@ class Recorder:
 
 def test_profile_models_k0_as_plain_decoding() -> None:
     p = handmade_profile()
-    assert p.draft_lengths("kl")[0] == 0
+    assert p.available_draft_lengths("kl") == [0, *p.draft_lengths("kl")]
     assert p.expected_tokens_per_iter("kl", 1.0, 0) == 1.0
     assert p.mean_distortion("kl", 1.0, 0) == 0.0
     lat = p.latency

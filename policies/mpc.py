@@ -20,7 +20,8 @@ hand.
   B), planned at its upper quantile ``B̄ + z·sqrt(B̄)`` (a request lives through the batch's Poisson
   fluctuations); at least the running batch measured now; no solution below ``max_batch`` ⇒ the
   candidate is overloaded (queue grows; TTFT unbounded);
-* ``TPOT_τ = step / n_τ``; ``TTFT_τ = wait + step + prefill_τ`` where ``wait`` drains the queue ahead
+* ``TPOT_τ = step / n_τ / (1 − λ·prefill)`` (joiners' prefills stall the batch);
+  ``TTFT_τ = wait + step + prefill_τ`` where ``wait`` drains the queue ahead
   at the candidate's request rate and ``prefill_τ`` is learned (EWMA of measured p50 TTFT minus the
   predicted wait and step, starting from the model's prefill of ``prompt_tokens``);
 * distortion ``d_τ`` from the model at (T_τ, k_τ) times an online correction (measured / modelled).
@@ -451,7 +452,11 @@ class ModelPredictivePolicy:
         planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
         batch = np.clip(np.maximum(planned, running_now), 1.0, float(self.max_batch))
         step = f + p * batch
-        tpot = step[:, None] / tokens  # [n, n_t]
+        # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
+        # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
+        prefill_ms = float(np.mean([self.prefill_ms[self.tier_names[i]] for i in act_idx]))
+        stall = min(lam * prefill_ms / 1000.0, 0.9)
+        tpot = step[:, None] / tokens / (1.0 - stall)  # [n, n_t]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
         cost = step / (batch * mean_tokens)  # ms of replica time per output token

@@ -7,8 +7,8 @@ conversation trace, with the hand-made 2-thread profile) — ``--tuning`` reruns
 mode evaluates on cases none of that saw:
 
 * slices of the Azure LLM inference trace 2023 (``../shared/traces``, CC-BY 4.0, Patel et al.,
-  "Splitwise", ISCA 2024), conversation part, from 40 and 50 min on (the shipped scenario replays the
-  first 30 min), thinned by ``sample_fraction`` to fit the fleet and clipped to a 2048-token context.
+  "Splitwise", ISCA 2024), conversation part, 8-minute slices from 40 and 50 min on (set A) or 45
+  and 35 min on (set B; the shipped scenario replays the first 30 min), thinned by ``sample_fraction`` to fit the fleet and clipped to a 2048-token context.
   (The code part is left out: its ~1500-token prompts make TTFT a matter of prefill, which no (T, k)
   changes, and no point of any policy meets a TTFT target there);
 * the calibrated profile (sim/profiles/smollm2-135m.json, one torch thread: about 6x slower steps than
@@ -29,7 +29,8 @@ Criterion per case, on the means over seeds (see docs/sim.md):
 * none does ⇒ the policy's attainment (all requests) must be >= the best static point's within budget
   minus 1 point, and the policy within every budget.
 
-    .venv/bin/python benchmarks/policy_compare.py                 # held-out cases, 5 seeds (~10 min, 2 cores)
+    .venv/bin/python benchmarks/policy_compare.py                 # held-out set A, 5 seeds (~10 min, 2 cores)
+    .venv/bin/python benchmarks/policy_compare.py --set B --seed-offset 5   # held-out set B, seeds 5-9
     .venv/bin/python benchmarks/policy_compare.py --seeds 2 --duration 150   # smoke
     .venv/bin/python benchmarks/policy_compare.py --tuning        # the shipped scenarios it was tuned on
 
@@ -109,16 +110,23 @@ def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sam
     }
 
 
-def heldout_cases(duration_s: float) -> list[Case]:
+#: Held-out sets: (calibrated-profile slice start, hand-made slice start) in trace minutes. Set A was
+#: evaluated first (README run 1); set B (fresh slices, seeds 5-9) after the one change that run 1
+#: prompted (README run 2).
+HELDOUT_SETS = {"A": (40, 50), "B": (45, 35)}
+
+
+def heldout_cases(duration_s: float, which: str = "A") -> list[Case]:
     cal, hand = str(DEFAULT_PROFILE_PATH), str(HANDMADE_2THREADS_PROFILE_PATH)
+    cal_min, hand_min = HELDOUT_SETS[which]
     out = []
     for replicas in (2, 4):
         f = replicas / 2  # load scales with the fleet
         out += [
-            Case(f"conv@40min calibrated {replicas}r", cal, CALIBRATED_SLO_SCALE, replicas,
-                 trace_workload("conv", "azure_llm_2023_conv.csv", 2400.0, duration_s, 0.035 * f)),
-            Case(f"conv@50min hand-made {replicas}r", hand, 1.0, replicas,
-                 trace_workload("conv", "azure_llm_2023_conv.csv", 3000.0, duration_s, 0.055 * f)),
+            Case(f"conv@{cal_min}min calibrated {replicas}r", cal, CALIBRATED_SLO_SCALE, replicas,
+                 trace_workload("conv", "azure_llm_2023_conv.csv", 60.0 * cal_min, duration_s, 0.035 * f)),
+            Case(f"conv@{hand_min}min hand-made {replicas}r", hand, 1.0, replicas,
+                 trace_workload("conv", "azure_llm_2023_conv.csv", 60.0 * hand_min, duration_s, 0.055 * f)),
         ]
     return out
 
@@ -248,6 +256,9 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--duration", type=float, default=480.0, help="simulated seconds of arrivals per case")
     ap.add_argument("--tuning", action="store_true", help="the shipped scenarios the policy was tuned on")
+    ap.add_argument("--set", dest="heldout_set", choices=sorted(HELDOUT_SETS), default="A",
+                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min)")
+    ap.add_argument("--seed-offset", type=int, default=0, help="first seed (set B was run with 5)")
     ap.add_argument("--cases", default="", help="comma-separated substrings: keep matching cases only")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default="results/policy_compare.json")
@@ -256,14 +267,14 @@ def main() -> int:
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
 
-    cases = tuning_cases(args.duration) if args.tuning else heldout_cases(args.duration)
+    cases = tuning_cases(args.duration) if args.tuning else heldout_cases(args.duration, args.heldout_set)
     if args.cases:
         keys = [c for c in args.cases.split(",") if c]
         cases = [c for c in cases if any(k in c.name for k in keys)]
     jobs = []
     for case in cases:
         specs = static_specs(case.slo()) | ADAPTIVE
-        for seed in range(args.seeds):
+        for seed in range(args.seed_offset, args.seed_offset + args.seeds):
             for label, spec in specs.items():
                 jobs.append((case, seed, label, spec))
     t0 = time.perf_counter()
@@ -284,7 +295,8 @@ def main() -> int:
         })
     command = "benchmarks/policy_compare.py " + " ".join(sys.argv[1:])
     table = markdown(results, command.strip())
-    doc = {"benchmark": "policy_compare", "mode": "tuning" if args.tuning else "held-out", "seeds": args.seeds,
+    doc = {"benchmark": "policy_compare", "mode": "tuning" if args.tuning else f"held-out set {args.heldout_set}",
+           "seeds": list(range(args.seed_offset, args.seed_offset + args.seeds)),
            "duration_s": args.duration, "attribution": ATTRIBUTION, "results": results, "runs": rows,
            "wall_s": round(time.perf_counter() - t0, 1), "command": command}
     for path, text in ((args.out, json.dumps(doc, indent=1, default=str) + "\n"), (args.md, table + "\n")):

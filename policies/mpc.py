@@ -31,6 +31,11 @@ tpot target`` and ``m_τ · TTFT_τ <= ttft target``. The margin ``m_τ`` rises 
 attainment falls below the tier's target (``percentile / 100``) and decays slowly while it is above:
 ``m ← m · exp(g · (target − attainment))`` with ``g = margin_gain_up`` or ``margin_gain_down``.
 
+**Evidence beats prediction**: a tier whose measured attainment (EWMA over pooled completions) is
+``short_enter`` below its target counts as not meeting, whatever the prediction says, so it is served
+at the fastest point within budget (the objective's "most attainment within budget") until it is back
+within ``short_exit`` of its target.
+
 **Choice** (the objective, with tier coupling): among candidates where every tier with traffic and a
 latency target is predicted to meet it and every tier is within budget (``budget_margin`` below it):
 least distortion of the tightest-budget tier first, then the next (so the loosest budget spends
@@ -195,6 +200,9 @@ class ModelPredictivePolicy:
     * ``rate_decay`` — per-window decay of the sums behind the arrival rate and mean output length.
     * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
     * ``batch_z`` — plan for the batch's upper quantile ``B̄ + z·sqrt(B̄)`` (Poisson occupancy).
+    * ``short_enter`` / ``short_exit`` — a tier whose measured attainment (EWMA over pooled samples)
+      falls ``short_enter`` below its target is planned as short — the fastest point within budget,
+      whatever the prediction says — until it is back within ``short_exit`` of it.
     * ``t_grid`` — extra T values considered per k besides the model's own points.
     """
 
@@ -215,6 +223,8 @@ class ModelPredictivePolicy:
         rate_decay: float = 0.97,
         min_samples: int = 5,
         batch_z: float = 1.65,
+        short_enter: float = 0.05,
+        short_exit: float = 0.02,
         t_grid: Sequence[float] = (),
     ) -> None:
         if max_batch < 1:
@@ -236,6 +246,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(batch_z) and batch_z >= 0):
             raise ValueError(f"batch_z must be finite and >= 0, got {batch_z}")
         self.batch_z = batch_z
+        if not (0 <= short_exit <= short_enter <= 1):
+            raise ValueError(f"need 0 <= short_exit <= short_enter <= 1, got {short_exit}, {short_enter}")
+        self.short_enter, self.short_exit = short_enter, short_exit
         if min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {min_samples}")
         self.slo = slo
@@ -313,6 +326,8 @@ class ModelPredictivePolicy:
         self.mean_output_tokens = math.nan
         self._arrivals_sum = self._time_sum = self._tokens_sum = self._completions_sum = 0.0
         self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
+        self.measured_attainment = {name: math.nan for name in self.tier_names}
+        self.short = {name: False for name in self.tier_names}
         self.current: dict[str, tuple[float, int]] = {}
         self._best_effort: dict[str, bool] = {}
         self.last_decision: Decision | None = None
@@ -400,7 +415,16 @@ class ModelPredictivePolicy:
         met, done = self._pending_attainment[name]
         met, done = met + slo_met, done + completions
         if done >= self.min_samples:
-            gap = tier.attainment_target - met / done
+            attained = met / done
+            old = self.measured_attainment[name]
+            self.measured_attainment[name] = attained if math.isnan(old) else 0.3 * attained + 0.7 * old
+            # Evidence beats prediction: a tier measured well short of its target is planned as short
+            # (fastest within budget: the most attainment), until it recovers (hysteresis).
+            if self.measured_attainment[name] < tier.attainment_target - self.short_enter:
+                self.short[name] = True
+            elif self.measured_attainment[name] > tier.attainment_target - self.short_exit:
+                self.short[name] = False
+            gap = tier.attainment_target - attained
             gain = self.margin_gain_up if gap > 0 else self.margin_gain_down
             if gap > 0 and self._best_effort.get(name, False):
                 gain = 0.0  # anti-windup: already at the fastest point within budget
@@ -477,6 +501,8 @@ class ModelPredictivePolicy:
                 ratio = np.minimum(ttft / tier.ttft_ms, 10.0)
                 meets[:, i] &= ratio <= 1.0
                 violation[:, i] += np.maximum(ratio - 1.0, 0.0)
+            if self.short[name]:
+                meets[:, i] = False
             budget = tier.max_mean_distortion
             if budget is not None:
                 within &= distortion[:, i] <= (1.0 - self.budget_margin) * budget + 1e-12
@@ -546,6 +572,8 @@ class ModelPredictivePolicy:
             "rate_decay": self.rate_decay,
             "min_samples": self.min_samples,
             "batch_z": self.batch_z,
+            "short_enter": self.short_enter,
+            "short_exit": self.short_exit,
             "t_grid": list(self.t_grid),
         }
 

@@ -108,6 +108,8 @@ class MPCParams(_Params):
     rate_decay: float = Field(0.97, ge=0, lt=1)
     min_samples: int = Field(5, ge=1)
     batch_z: float = Field(1.65, ge=0)
+    short_enter: float = Field(0.05, ge=0, le=1)
+    short_exit: float = Field(0.02, ge=0, le=1)
     t_grid: list[float] = Field(default_factory=list)
 
 

@@ -31,6 +31,7 @@ Criterion per case, on the means over seeds (see docs/sim.md):
 
     .venv/bin/python benchmarks/policy_compare.py                 # held-out set A, 5 seeds (~10 min, 2 cores)
     .venv/bin/python benchmarks/policy_compare.py --set B --seed-offset 5   # held-out set B, seeds 5-9
+    .venv/bin/python benchmarks/policy_compare.py --set C --seed-offset 10  # held-out set C, seeds 10-14
     .venv/bin/python benchmarks/policy_compare.py --seeds 2 --duration 150   # smoke
     .venv/bin/python benchmarks/policy_compare.py --tuning        # the shipped scenarios it was tuned on
 
@@ -111,9 +112,9 @@ def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sam
 
 
 #: Held-out sets: (calibrated-profile slice start, hand-made slice start) in trace minutes. Set A was
-#: evaluated first (README run 1); set B (fresh slices, seeds 5-9) after the one change that run 1
-#: prompted (README run 2).
-HELDOUT_SETS = {"A": (40, 50), "B": (45, 35)}
+#: evaluated first (README run 1, seeds 0-4); set B (other slices, seeds 5-9) after the change run 1
+#: prompted (run 2); set C (slices at 30 min, seeds 10-14) after the bug fix run 2 led to (run 3).
+HELDOUT_SETS = {"A": (40, 50), "B": (45, 35), "C": (30, 30)}
 
 
 def heldout_cases(duration_s: float, which: str = "A") -> list[Case]:
@@ -257,7 +258,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=480.0, help="simulated seconds of arrivals per case")
     ap.add_argument("--tuning", action="store_true", help="the shipped scenarios the policy was tuned on")
     ap.add_argument("--set", dest="heldout_set", choices=sorted(HELDOUT_SETS), default="A",
-                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min)")
+                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min; C: 30/30 min)")
     ap.add_argument("--seed-offset", type=int, default=0, help="first seed (set B was run with 5)")
     ap.add_argument("--cases", default="", help="comma-separated substrings: keep matching cases only")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))

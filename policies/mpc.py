@@ -330,6 +330,7 @@ class ModelPredictivePolicy:
         self.short = {name: False for name in self.tier_names}
         self.current: dict[str, tuple[float, int]] = {}
         self._best_effort: dict[str, bool] = {}
+        self._last_configs: dict[str, tuple[float, int | None]] = {}
         self.last_decision: Decision | None = None
         self.last_prediction: dict[str, dict[str, float]] = {}
         self._last_time_s: float | None = None
@@ -375,8 +376,16 @@ class ModelPredictivePolicy:
             self.shares = new if np.isnan(self.shares).any() else a * new + (1 - a) * self.shares
 
         # Corrections against what the model says about the (T, k) in force during the window.
-        ks_now = np.array([[self.current.get(n, (0.0, 0))[1] for n in self.tier_names]])
-        if self.current and math.isfinite(telemetry.mean_iteration_ms) and math.isfinite(telemetry.mean_batch_size):
+        configs = {n: (w.threshold, w.draft_length) for n, w in telemetry.tiers.items()}
+        steady = {n: self._last_configs.get(n) == c for n, c in configs.items()}
+        self._last_configs = configs
+        ks_now = np.array([[
+            w.draft_length if (w := telemetry.tiers.get(n)) is not None and w.draft_length is not None
+            else self.current.get(n, (0.0, 0))[1]
+            for n in self.tier_names
+        ]])
+        if (self.current and steady and all(steady.values()) and math.isfinite(telemetry.mean_iteration_ms)
+                and math.isfinite(telemetry.mean_batch_size)):
             shares = self.shares if not np.isnan(self.shares).any() else np.full(len(self.tier_names), 1.0)
             modelled = float(self._step_ms(ks_now, shares, telemetry.mean_batch_size)[0])
             if modelled > 0:
@@ -389,9 +398,14 @@ class ModelPredictivePolicy:
             self._update_margin(name, window.slo_met, window.completions)
             if name not in self.current:
                 continue
-            t, k = self.current[name]
-            if window.draft_length is not None and window.draft_length != k:
-                continue  # the data plane ran another k than we asked: no correction from it
+            # Compare with the model at the (T, k) the tier actually ran at (the guards, the quality
+            # cap above all, may have lowered the T this policy asked for), and only over windows
+            # that ran one (T, k) throughout: a step spans a good part of a window, so a window right
+            # after a change mixes both and would bias the correction toward the old point.
+            t = window.threshold
+            k = window.draft_length if window.draft_length is not None else self.current[name][1]
+            if k not in self.model.draft_lengths or not steady.get(name, False):
+                continue
             if k > 0 and window.sequence_iterations >= 20:
                 grid_t, grid_n, grid_d = self.model.curve(k)
                 modelled_accepted = float(np.interp(t, grid_t, grid_n)) - 1.0

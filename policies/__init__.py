@@ -9,6 +9,7 @@ from policies.base import Policy
 from policies.decision import Decision
 from policies.feedforward import FeedForwardPolicy, LinearLatencyModel, SpeedCurve, SpeedPoint
 from policies.guards import FailSafe, Hysteresis, QualityGuard, RateLimit, TierClamp, guarded
+from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost
 from policies.pid import PID, PIDPolicy
 from policies.registry import POLICY_NAMES, describe, make_policy
 from policies.slo import CostTarget, SLOSpec, TierSLO
@@ -26,6 +27,9 @@ __all__ = [
     "Hysteresis",
     "LatencySummary",
     "LinearLatencyModel",
+    "ModelPredictivePolicy",
+    "OperatingModel",
+    "OperatingPoint",
     "PIDPolicy",
     "Policy",
     "QualityGuard",
@@ -35,6 +39,7 @@ __all__ = [
     "SpeedCurve",
     "SpeedPoint",
     "StaticPolicy",
+    "StepCost",
     "Telemetry",
     "TierClamp",
     "TierSLO",

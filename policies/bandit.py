@@ -7,8 +7,13 @@
   Moulines, "On upper-confidence bound policies for switching bandit problems" (ALT 2011). Forgetting
   is what lets it follow shifting load: an arm not pulled for a window has its count decay to zero and
   is explored again.
-* :class:`BanditPolicy` — the :class:`policies.base.Policy`: each ``decide`` credits the reward of the
-  window just observed to the arm played during it, then selects the next arm.
+* :class:`BanditPolicy` — the :class:`policies.base.Policy`. The reward of a window is *lagged*: the
+  requests finishing in it arrived up to an E2E latency earlier (10–20 s on the default pair), maybe
+  under another arm. So a window is credited to the arm in play only when every request finishing in
+  it arrived after that arm was pushed — ``window start − p99 E2E of the tier's finishing requests
+  >= the arm's push time`` — i.e. the requests ran under that arm; windows that mix arms are not
+  credited. An arm stays in play until it has earned ``min_credited`` windows, then the next is
+  selected (keeping the same arm keeps its push time).
 
 Reward of a window for the controlled tier (higher is better)::
 
@@ -162,11 +167,13 @@ def _parse_arm(arm: float | tuple[float, int]) -> Arm:
 class BanditPolicy:
     """Learns which T (and k) earns the most reward at the current load, and follows it as load shifts.
 
-    * ``arms`` — T values for the controlled tier, or ``(T, k)`` pairs (k = draft length, passed on as
-      ``Decision.draft_length``); None ⇒ 6 evenly spaced T over the tier's range. Arms outside the
-      tier's bounds raise ValueError.
+    * ``arms`` — T values for the controlled tier, or ``(T, k)`` pairs (k >= 0 = draft length, 0 = plain
+      decoding, passed on in ``Decision.draft_lengths`` for every unpinned tier); None ⇒ 6 evenly spaced
+      T over the tier's range. Arms outside the tier's bounds raise ValueError.
     * ``tier`` — the tier the arms are for (None ⇒ the SLO's default tier). Every other unpinned tier
       gets the same *fraction* of its own range; pinned tiers keep their pin.
+    * ``min_credited`` — credited windows an arm earns before the next selection (see the module
+      docstring: only windows whose finishing requests all ran under the arm are credited).
     * ``window`` / ``discount`` — forgetting (see :class:`SlidingWindowUCB`); ``discount`` set ⇒
       discounted UCB and ``window`` is ignored.
     * ``c`` — exploration weight. Rewards live in about [−1, 1].
@@ -186,6 +193,7 @@ class BanditPolicy:
         slo: SLOSpec,
         arms: Sequence[float | tuple[float, int]] | None = None,
         tier: str | None = None,
+        min_credited: int = 3,
         window: int | None = 100,
         discount: float | None = None,
         c: float = 0.2,
@@ -210,8 +218,8 @@ class BanditPolicy:
                     f"arms[{i}]: T={t} outside tier {self.tier!r} bounds "
                     f"[{tier_slo.min_threshold}, {tier_slo.max_threshold}]"
                 )
-            if k is not None and k < 1:
-                raise ValueError(f"arms[{i}]: draft length k must be >= 1, got {k}")
+            if k is not None and k < 0:
+                raise ValueError(f"arms[{i}]: draft length k must be >= 0, got {k}")
             self.arms.append((t, k))
         if not self.arms:
             raise ValueError("arms: at least one arm is required")
@@ -228,6 +236,9 @@ class BanditPolicy:
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if min_credited < 1:
+            raise ValueError(f"min_credited must be >= 1, got {min_credited}")
+        self.min_credited = min_credited
         if discount is not None:
             window = None
         self.window, self.discount, self.c = window, discount, c
@@ -245,9 +256,12 @@ class BanditPolicy:
             SlidingWindowUCB(len(self.arms), self.c, self.rng, window=self.window, discount=self.discount)
             for _ in range(len(self.context_bins) + 1)
         ]
-        self._playing: tuple[int, int] | None = None  # (context bin, arm) in play since the last decide
+        self._playing: tuple[int, int] | None = None  # (context bin, arm) in play
+        self._pushed_s = math.nan  # when the arm in play was pushed (telemetry time of its decision)
+        self._credited = 0  # windows credited to the arm in play
         self.last_decision: Decision | None = None
         self.last_reward: float = math.nan
+        self.credit_log: list[tuple[float, int, float]] = []  # (window time, arm credited, reward)
 
     def context_bin(self, telemetry: Telemetry) -> int:
         if not self.context_bins:
@@ -289,31 +303,61 @@ class BanditPolicy:
         for name in controllable_tiers(self.slo):
             thresholds[name] = threshold_from_fraction(self.slo.tiers[name], fraction)
         thresholds[self.tier] = controlled.clamp(t)
-        return Decision(thresholds=thresholds, draft_length=k, reason=reason)
+        draft_lengths = {} if k is None else {name: k for name in controllable_tiers(self.slo)}
+        return Decision(thresholds=thresholds, draft_lengths=draft_lengths, reason=reason)
+
+    def ran_under_arm_in_play(self, telemetry: Telemetry) -> bool:
+        """Did every request finishing in this window arrive after the arm in play was pushed?
+
+        The oldest finishing request arrived about one p99 E2E before the window opened, at the
+        latest; no E2E evidence (nothing finished) ⇒ False.
+        """
+        window = telemetry.tiers.get(self.tier)
+        e2e = window.e2e if window is not None else telemetry.e2e
+        if e2e.count <= 0 or math.isnan(e2e.p99_ms) or math.isnan(self._pushed_s):
+            return False
+        oldest_arrival_s = telemetry.time_s - telemetry.window_s - e2e.p99_ms / 1000.0
+        return oldest_arrival_s >= self._pushed_s
 
     def decide(self, telemetry: Telemetry) -> Decision:
-        reward = self.reward(telemetry) if self._playing is not None else math.nan
-        self.last_reward = reward
-        if self._playing is not None and not math.isfinite(reward):  # no (or unusable) evidence
-            bin_index, arm = self._playing
-            decision = self._decision(arm, f"bandit: no evidence for tier {self.tier!r}, keep arm {arm}")
-            self.last_decision = decision
-            return decision
+        reward = math.nan
+        note = ""
         if self._playing is not None:
             bin_index, arm = self._playing
-            self.learners[bin_index].last_arm = arm
-            self.learners[bin_index].update(reward)
+            reward = self.reward(telemetry)
+            if math.isfinite(reward) and self.ran_under_arm_in_play(telemetry):
+                self.learners[bin_index].last_arm = arm
+                self.learners[bin_index].update(reward)
+                self._credited += 1
+                self.credit_log.append((telemetry.time_s, arm, reward))
+                note = f"reward {reward:+.3f} credited to arm {arm}; "
+            elif math.isfinite(reward):
+                note = "window's requests ran partly under an earlier arm, not credited; "
+                reward = math.nan
+            else:
+                note = f"no evidence for tier {self.tier!r}; "
+        self.last_reward = reward
+        if self._playing is not None and self._credited < self.min_credited:
+            bin_index, arm = self._playing
+            decision = self._decision(
+                arm, f"bandit: {note}keep arm {arm} ({self._credited}/{self.min_credited} credited)"
+            )
+            self.last_decision = decision
+            return decision
         bin_index = self.context_bin(telemetry)
         arm = self.learners[bin_index].select()
+        if self._playing != (bin_index, arm):
+            self._pushed_s = telemetry.time_s
         self._playing = (bin_index, arm)
-        credit = "" if not math.isfinite(reward) else f"reward {reward:+.3f}; "
-        decision = self._decision(arm, f"bandit: {credit}context bin {bin_index}, arm {arm} {self.arms[arm]}")
+        self._credited = 0
+        decision = self._decision(arm, f"bandit: {note}context bin {bin_index}, arm {arm} {self.arms[arm]}")
         self.last_decision = decision
         return decision
 
     def params(self) -> dict[str, Any]:
         return {
             "tier": self.tier,
+            "min_credited": self.min_credited,
             "arms": [list(a) if a[1] is not None else a[0] for a in self.arms],
             "window": self.window,
             "discount": self.discount,

@@ -1,4 +1,4 @@
-"""What a policy returns: thresholds per tier, and optionally a draft length and a replica count."""
+"""What a policy returns: T and draft length k per tier, and optionally a replica count."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """``thresholds`` maps tier name → T. Tiers left out keep their current T.
+    """``thresholds`` maps tier → T and ``draft_lengths`` tier → k (k >= 0; k = 0 is plain target
+    decoding: one target token per step, no draft cost, no distortion). Tiers left out keep their
+    current T / k.
 
-    ``draft_length`` (k) and ``replicas`` are suggestions the owner may apply or ignore; ``reason``
-    is a short human-readable explanation logged beside the decision.
+    ``replicas`` is a suggestion the owner may apply or ignore; ``reason`` is a short human-readable
+    explanation logged beside the decision.
     """
 
     thresholds: Mapping[str, float] = field(default_factory=dict)
-    draft_length: int | None = None
+    draft_lengths: Mapping[str, int] = field(default_factory=dict)
     replicas: int | None = None
     reason: str = ""
 
@@ -24,7 +26,15 @@ class Decision:
         for tier, t in self.thresholds.items():
             if not (math.isfinite(t) and t >= 0):
                 raise ValueError(f"threshold for tier {tier!r} must be finite and >= 0, got {t}")
-        if self.draft_length is not None and self.draft_length < 1:
-            raise ValueError(f"draft_length must be >= 1, got {self.draft_length}")
+        for tier, k in self.draft_lengths.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(f"draft length for tier {tier!r} must be an int >= 0, got {k!r}")
         if self.replicas is not None and self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+
+    @property
+    def draft_length(self) -> int | None:
+        """Transitional, for a data plane with one k per replica: the largest k > 0 asked for (None
+        when no tier asks for one). Per-row k (``draft_lengths``) supersedes it."""
+        ks = [k for k in self.draft_lengths.values() if k > 0]
+        return max(ks) if ks else None

@@ -76,7 +76,8 @@ class _Wrapper:
 
 
 class TierClamp(_Wrapper):
-    """Clamps every T into its tier's bounds and sets every pinned tier to its pin.
+    """Clamps every T into its tier's bounds and sets every pinned tier to its pin (k passes through:
+    it does not change what is emitted, only how fast).
 
     Tiers the inner policy names but the SLO does not know are dropped (and said so in the reason)
     rather than crashing the control loop.
@@ -93,8 +94,11 @@ class TierClamp(_Wrapper):
             if name in self.slo.tiers
         }
         thresholds.update(pinned_thresholds(self.slo))
-        reason = inner.reason + (f" [clamp: dropped unknown tiers {unknown}]" if unknown else "")
-        return self._emit(Decision(thresholds, inner.draft_length, inner.replicas, reason))
+        unknown_k = sorted(set(inner.draft_lengths) - set(self.slo.tiers))
+        draft_lengths = {name: k for name, k in inner.draft_lengths.items() if name in self.slo.tiers}
+        dropped = sorted(set(unknown) | set(unknown_k))
+        reason = inner.reason + (f" [clamp: dropped unknown tiers {dropped}]" if dropped else "")
+        return self._emit(Decision(thresholds, draft_lengths, inner.replicas, reason))
 
 
 class RateLimit(_Wrapper):
@@ -134,7 +138,7 @@ class RateLimit(_Wrapper):
                 limited.append(name)
             thresholds[name] = value
         reason = inner.reason + (f" [rate-limited: {', '.join(limited)}]" if limited else "")
-        return self._emit(Decision(thresholds, inner.draft_length, inner.replicas, reason))
+        return self._emit(Decision(thresholds, inner.draft_lengths, inner.replicas, reason))
 
     def params(self) -> dict[str, Any]:
         return {"max_rate": self.max_rate}
@@ -167,7 +171,7 @@ class Hysteresis(_Wrapper):
                 thresholds[name] = current
             else:
                 thresholds[name] = target
-        return self._emit(Decision(thresholds, inner.draft_length, inner.replicas, inner.reason))
+        return self._emit(Decision(thresholds, inner.draft_lengths, inner.replicas, inner.reason))
 
     def params(self) -> dict[str, Any]:
         return {"min_change": self.min_change}
@@ -261,7 +265,7 @@ class QualityGuard(_Wrapper):
                 thresholds[name] = cap_t
                 notes.append(f"{name}: T capped at {cap_t:.3g}")
         reason = inner.reason + (f" [quality: {'; '.join(notes)}]" if notes else "")
-        return self._emit(Decision(thresholds, inner.draft_length, inner.replicas, reason))
+        return self._emit(Decision(thresholds, inner.draft_lengths, inner.replicas, reason))
 
     def params(self) -> dict[str, Any]:
         return {
@@ -274,7 +278,8 @@ class QualityGuard(_Wrapper):
 
 
 class FailSafe(_Wrapper):
-    """Lost control ⇒ every tier to its safe T (0 = lossless) at once, with the reason.
+    """Lost control ⇒ every tier to its safe T (0 = lossless) at once, with the reason; draft lengths
+    are left as they are (k changes speed, never what is emitted).
 
     Control counts as lost when the telemetry is older than ``stale_after_s`` (``age_s``), when its
     time went backwards (the inner policy is then reset: its state belongs to another timeline), or

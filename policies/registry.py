@@ -25,6 +25,7 @@ from policies.bandit import BanditPolicy
 from policies.base import Policy
 from policies.feedforward import FeedForwardPolicy, LinearLatencyModel, SpeedCurve, SpeedPoint
 from policies.guards import guarded
+from policies.mpc import ModelPredictivePolicy, OperatingModel
 from policies.pid import PIDPolicy
 from policies.signals import ControlMetric, LoadSignal
 from policies.slo import SLOSpec
@@ -37,6 +38,7 @@ class _Params(BaseModel):
 
 class StaticParams(_Params):
     thresholds: float | dict[str, float] = Field(0.0, description="one T for every tier, or tier → T")
+    draft_lengths: int | dict[str, int] | None = Field(None, description="one k for every tier, or tier → k")
 
 
 class PIDParams(_Params):
@@ -56,6 +58,7 @@ class PIDParams(_Params):
 class BanditParams(_Params):
     tier: str | None = None
     arms: list[float] | list[tuple[float, int]] | None = None
+    min_credited: int = Field(3, ge=1)
     window: int | None = Field(100, ge=1)
     discount: float | None = Field(None, gt=0, le=1)
     c: float = Field(0.2, ge=0)
@@ -93,6 +96,24 @@ class FeedForwardParams(_Params):
     max_batch_size: int | None = Field(None, ge=1)
 
 
+class MPCParams(_Params):
+    model: str | None = Field(None, description="operating-model JSON (None: the injected one, else the default pair's)")
+    max_batch: int = Field(8, ge=1)
+    prompt_tokens: float = Field(200.0, ge=0)
+    initial_margin: float = Field(1.3, ge=1)
+    margin_gain_up: float = Field(0.6, ge=0)
+    margin_gain_down: float = Field(0.1, ge=0)
+    margin_limits: tuple[float, float] = (1.0, 4.0)
+    budget_margin: float = Field(0.1, ge=0, lt=1)
+    alpha: float = Field(0.3, gt=0, le=1)
+    rate_decay: float = Field(0.97, ge=0, lt=1)
+    min_samples: int = Field(5, ge=1)
+    batch_z: float = Field(1.65, ge=0)
+    short_enter: float = Field(0.05, ge=0, le=1)
+    short_exit: float = Field(0.02, ge=0, le=1)
+    t_grid: list[float] = Field(default_factory=list)
+
+
 class GuardParams(_Params):
     quality: bool = True
     stale_after_s: float | None = Field(5.0, gt=0)
@@ -102,7 +123,7 @@ class GuardParams(_Params):
 
 
 def _build_static(p: StaticParams, slo: SLOSpec, ctx: _Context) -> Policy:
-    return StaticPolicy(slo, p.thresholds)
+    return StaticPolicy(slo, p.thresholds, p.draft_lengths)
 
 
 def _build_pid(p: PIDParams, slo: SLOSpec, ctx: _Context) -> Policy:
@@ -139,6 +160,12 @@ def _build_feedforward(p: FeedForwardParams, slo: SLOSpec, ctx: _Context) -> Pol
     )
 
 
+def _build_mpc(p: MPCParams, slo: SLOSpec, ctx: _Context) -> Policy:
+    model = OperatingModel.load(p.model) if p.model is not None else ctx.operating_model
+    params = p.model_dump(exclude={"model"})
+    return ModelPredictivePolicy(slo, model, **params)
+
+
 class _Context:
     """Things a spec cannot carry as plain data, injected by the caller (e.g. the simulator's profile)."""
 
@@ -146,9 +173,11 @@ class _Context:
         self,
         speed_curve: SpeedCurve | None,
         latency_model: LinearLatencyModel | Callable[[float, float], float] | None,
+        operating_model: OperatingModel | None = None,
     ) -> None:
         self.speed_curve = speed_curve
         self.latency_model = latency_model
+        self.operating_model = operating_model
 
 
 _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Policy]]] = {
@@ -156,17 +185,20 @@ _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Pol
     "pid": (PIDParams, _build_pid),
     "bandit": (BanditParams, _build_bandit),
     "feedforward": (FeedForwardParams, _build_feedforward),
+    "mpc": (MPCParams, _build_mpc),
 }
 
 #: Names ``make_policy`` accepts.
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
-#: The shipped SLO policy (what `fsd serve` runs when the config names none): a PID on the live mean
-#: TPOT of the running batch, aiming 25 % under each tier's p95 target (a mean runs below its p95), in
-#: the default guards. Chosen by `benchmarks/policy_compare.py`: of the adaptive policies it had the
-#: best attainment in all four scenarios, each time above the static frontier at equal distortion
-#: (plain completion-driven "pid" waits for requests to finish and lags).
-DEFAULT_POLICY_SPEC: dict[str, Any] = {"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}
+#: The shipped SLO policy (what `fsd serve` runs when the config names none, and the "slo" alias):
+#: model-predictive control of (T, k) per tier (policies/mpc.py) in the default guards. It predicts
+#: each tier's TPOT/TTFT from the operating model (the simulator injects its profile's; otherwise the
+#: default pair's, policies/models/smollm2-135m.json), corrects the model online and learns its margin
+#: from measured attainment. Evaluated on held-out cases by `benchmarks/policy_compare.py` (README).
+#: The previous default, a PID on the live mean TPOT 25 % under target, is
+#: {"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}.
+DEFAULT_POLICY_SPEC: dict[str, Any] = {"policy": "mpc"}
 
 
 def _normalise_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
@@ -198,11 +230,13 @@ def make_policy(
     *,
     speed_curve: SpeedCurve | None = None,
     latency_model: LinearLatencyModel | Callable[[float, float], float] | None = None,
+    operating_model: OperatingModel | None = None,
 ) -> Policy:
     """The policy ``spec`` names, with its parameters validated, wrapped in its guards.
 
-    ``speed_curve`` / ``latency_model`` feed the feed-forward policy when the spec does not carry them
-    (the simulator passes the ones derived from its profile). Raises ValueError naming the bad field,
+    ``speed_curve`` / ``latency_model`` feed the feed-forward policy and ``operating_model`` the
+    model-predictive one when the spec does not carry them (the simulator passes the ones derived from
+    its profile). Raises ValueError naming the bad field,
     or listing the known names for an unknown policy.
     """
     raw = _normalise_spec(spec)
@@ -230,7 +264,7 @@ def make_policy(
         except ValidationError as exc:
             raise ValueError(format_validation_error(exc, root="guards")) from None
     try:
-        policy = build(params, slo, _Context(speed_curve, latency_model))
+        policy = build(params, slo, _Context(speed_curve, latency_model, operating_model))
     except ValueError as exc:
         message = str(exc)
         if message.startswith(f"{name}."):
@@ -252,7 +286,7 @@ def describe(policy: object) -> dict[str, Any]:
     if last is not None:
         out["last_decision"] = {
             "thresholds": dict(last.thresholds),
-            "draft_length": last.draft_length,
+            "draft_lengths": dict(last.draft_lengths),
             "replicas": last.replicas,
             "reason": last.reason,
         }

@@ -1,14 +1,28 @@
-"""Service-level objectives, as operators state them.
+"""Service-level objectives, as operators state them, and the objective every policy serves.
 
 Operators never set a raw FSD threshold T. They state, per named tier, latency targets at a percentile,
 a quality budget (the largest mean per-token distortion they accept, in the TV units the decoder
 reports) and a hard ceiling on T; plus an optional cost target for the whole service. Policies read
 this spec; the controller and the simulator validate it at the boundary.
+
+The objective, per tier (:func:`objective_key` orders operating points by it):
+
+1. *attainment* = the fraction of the tier's requests that meet **every** latency target the tier
+   states (TTFT and TPOT, and E2E when set — DistServe's definition; rejected or unfinished requests
+   miss). The tier asks for attainment >= ``percentile / 100`` (:attr:`TierSLO.attainment_target`);
+2. the distortion budget ``max_mean_distortion`` is a hard constraint;
+3. among operating points that meet the attainment target within budget: least distortion, then least
+   cost (replica-seconds per output token, or $ per 1M tokens — the same order);
+4. where none meets it: the most attainment within budget.
+
+Tiers share replicas, so they are coupled; a policy that must spend distortion spends it first in the
+tier with the loosest budget (:func:`tiers_by_budget`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -70,6 +84,16 @@ class TierSLO(BaseModel):
                 f"safe_threshold {self.safe_threshold} exceeds max_threshold {self.max_threshold}"
             )
         return self
+
+    @property
+    def attainment_target(self) -> float:
+        """The share of requests that must meet every latency target: ``percentile / 100``."""
+        return self.percentile / 100.0
+
+    @property
+    def has_latency_target(self) -> bool:
+        """False for a best-effort tier (no TTFT, TPOT or E2E target: every completion counts as met)."""
+        return any(t is not None for t in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
 
     def latency_target(self, metric: LatencyMetric) -> float | None:
         """The target in ms for ``metric`` (None when the tier sets none)."""
@@ -138,12 +162,72 @@ class SLOSpec(BaseModel):
 
     @classmethod
     def default(cls) -> SLOSpec:
-        """The shipped SLO: lossless, standard and economy tiers sized for the default small pair."""
+        """The shipped SLO: lossless, standard and economy tiers sized for the default small pair.
+
+        Every tier states a p95 TTFT and a p95 TPOT target (sized for the hand-made 2-thread SmolLM2
+        profile); ``lossless`` is pinned at T = 0 (only its k moves), ``standard`` and ``economy`` have a
+        distortion budget and a T ceiling.
+        """
         return cls(
             tiers={
-                "lossless": TierSLO(fixed_threshold=0.0, max_threshold=0.0),
-                "standard": TierSLO(tpot_ms=60.0, max_mean_distortion=0.15, max_threshold=1.0),
-                "economy": TierSLO(tpot_ms=120.0, max_mean_distortion=0.35, max_threshold=4.0),
+                "lossless": TierSLO(fixed_threshold=0.0, max_threshold=0.0, ttft_ms=4000.0, tpot_ms=120.0),
+                "standard": TierSLO(
+                    ttft_ms=2000.0, tpot_ms=60.0, max_mean_distortion=0.15, max_threshold=1.0
+                ),
+                "economy": TierSLO(
+                    ttft_ms=4000.0, tpot_ms=120.0, max_mean_distortion=0.35, max_threshold=4.0
+                ),
             },
             default_tier="standard",
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TierOutcome:
+    """What one operating point achieved (or is predicted to achieve) for one tier."""
+
+    attainment: float  # share of the tier's requests that met every latency target, in [0, 1]
+    mean_distortion: float  # mean TV distortion per output token
+    cost: float = 0.0  # replica-seconds per output token (or any cost in one unit across points)
+
+
+def meets_objective(tier: TierSLO, outcome: TierOutcome, tolerance: float = 1e-9) -> bool:
+    """Attainment target met and distortion within budget (a best-effort tier only needs the budget)."""
+    return within_budget(tier, outcome, tolerance) and outcome.attainment >= tier.attainment_target - tolerance
+
+
+def within_budget(tier: TierSLO, outcome: TierOutcome, tolerance: float = 1e-9) -> bool:
+    budget = tier.max_mean_distortion
+    return budget is None or outcome.mean_distortion <= budget + tolerance
+
+
+def objective_key(tier: TierSLO, outcome: TierOutcome, tolerance: float = 1e-9) -> tuple[float, ...]:
+    """Sort key, smaller is better, that orders operating points by the objective (module docstring).
+
+    Over-budget points come last (least excess first); then points that meet the attainment target,
+    by distortion then cost; then the rest, by attainment (most first), then distortion, then cost.
+    """
+    budget = tier.max_mean_distortion
+    if not within_budget(tier, outcome, tolerance):
+        assert budget is not None
+        return (2.0, outcome.mean_distortion - budget, -outcome.attainment, outcome.cost)
+    if outcome.attainment >= tier.attainment_target - tolerance:
+        return (0.0, outcome.mean_distortion, outcome.cost, 0.0)
+    return (1.0, -outcome.attainment, outcome.mean_distortion, outcome.cost)
+
+
+def tiers_by_budget(slo: SLOSpec, names: list[str] | None = None) -> list[str]:
+    """Tier names from the loosest distortion budget to the tightest (no budget = loosest; a tier held
+    at T = 0 spends nothing, budget 0).
+
+    The loosest budget spends distortion first when tiers compete for shared replicas.
+    """
+    chosen = list(slo.tiers) if names is None else list(names)
+
+    def looseness(name: str) -> float:
+        tier = slo.tiers[name]
+        if tier.fixed_threshold == 0.0 or tier.max_threshold == 0.0:
+            return 0.0
+        return math.inf if tier.max_mean_distortion is None else tier.max_mean_distortion
+
+    return sorted(chosen, key=looseness, reverse=True)

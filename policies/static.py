@@ -1,4 +1,4 @@
-"""The baseline: one fixed T per tier, whatever the load."""
+"""The baseline: one fixed T (and optionally k) per tier, whatever the load."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ class StaticPolicy:
     ``thresholds`` is either one T applied to every controllable tier, or a mapping tier → T (tiers
     left out get their ``min_threshold``). Every T is clamped into its tier's bounds and pinned tiers
     keep their pin, so ``StaticPolicy(slo, 0.0)`` is standard speculative decoding everywhere.
+    ``draft_lengths`` is one k for every tier, a mapping tier → k (tiers left out keep theirs), or None
+    (k is left to the data plane's default).
     """
 
     name = "static"
 
-    def __init__(self, slo: SLOSpec, thresholds: float | Mapping[str, float]) -> None:
+    def __init__(
+        self,
+        slo: SLOSpec,
+        thresholds: float | Mapping[str, float],
+        draft_lengths: int | Mapping[str, int] | None = None,
+    ) -> None:
         self.slo = slo
         if isinstance(thresholds, Mapping):
             requested = {name: float(t) for name, t in thresholds.items()}
@@ -37,17 +44,32 @@ class StaticPolicy:
             self._thresholds = clamp_thresholds(slo, requested)
         except ValueError as exc:
             raise ValueError(f"thresholds: {exc}") from None
+        if draft_lengths is None:
+            ks: dict[str, int] = {}
+        elif isinstance(draft_lengths, Mapping):
+            ks = {name: int(k) for name, k in draft_lengths.items()}
+        else:
+            ks = {name: int(draft_lengths) for name in slo.tiers}
+        unknown = sorted(set(ks) - set(slo.tiers))
+        if unknown:
+            raise ValueError(f"draft_lengths: unknown tier(s) {unknown}; known tiers: {sorted(slo.tiers)}")
+        for name, k in ks.items():
+            if k < 0:
+                raise ValueError(f"draft_lengths[{name!r}] must be >= 0, got {k}")
+        self._draft_lengths = ks
         self.last_decision: Decision | None = None
 
     def decide(self, telemetry: Telemetry) -> Decision:
-        self.last_decision = Decision(thresholds=dict(self._thresholds), reason="static")
+        self.last_decision = Decision(
+            thresholds=dict(self._thresholds), draft_lengths=dict(self._draft_lengths), reason="static"
+        )
         return self.last_decision
 
     def reset(self) -> None:
         self.last_decision = None
 
     def params(self) -> dict[str, Any]:
-        return {"thresholds": dict(self._thresholds)}
+        return {"thresholds": dict(self._thresholds), "draft_lengths": dict(self._draft_lengths)}
 
     def __repr__(self) -> str:
-        return f"StaticPolicy(thresholds={self._thresholds!r})"
+        return f"StaticPolicy(thresholds={self._thresholds!r}, draft_lengths={self._draft_lengths!r})"

@@ -53,6 +53,15 @@ class TierWindow:
     e2e: LatencySummary = field(default_factory=LatencySummary)
     mean_distortion: float = 0.0
     output_tokens: int = 0
+    draft_length: int | None = None  # k the tier ran at (None: not reported)
+    sequence_iterations: int = 0  # decode steps the tier's sequences took part in (one per row per step)
+
+    @property
+    def tokens_per_iteration(self) -> float:
+        """Measured output tokens per sequence per decode step (NaN without steps): 1 + accepted drafts."""
+        if self.sequence_iterations <= 0:
+            return math.nan
+        return self.output_tokens / self.sequence_iterations
 
     def latency(self, metric: LatencyMetric) -> LatencySummary:
         return {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[metric]
@@ -83,7 +92,9 @@ class Telemetry:
     output_tokens: int = 0
     output_tokens_per_s: float = 0.0
     replicas: int = 1
-    draft_length: int = 4
+    draft_length: int = 4  # k of the default tier (per tier: TierWindow.draft_length)
+    mean_iteration_ms: float = math.nan  # measured mean decode-step time over the window's steps
+    mean_batch_size: float = math.nan  # mean sequences per decode step
     age_s: float = 0.0
     tiers: Mapping[str, TierWindow] = field(default_factory=dict)
 

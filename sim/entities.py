@@ -52,15 +52,21 @@ class WindowBins:
     without touching any replica: iterations that end before a tick can no longer be voided.
 
     Feature columns of ``sums``: output tokens, decode sequence-iterations, accepted drafts,
-    distortion, then output tokens per tier, then distortion per tier.
+    distortion, drafted tokens, decode iterations (steps), decode step time (ms); then output tokens
+    per tier, distortion per tier, sequence-iterations per tier (``BASE`` + tier offsets, see the
+    ``tier_*`` slices).
     """
 
-    TOKENS, SEQ_ITERS, ACCEPTED, DISTORTION = 0, 1, 2, 3
+    TOKENS, SEQ_ITERS, ACCEPTED, DISTORTION, DRAFTED, ITERS, ITER_MS = 0, 1, 2, 3, 4, 5, 6
+    BASE = 7
 
     def __init__(self, interval_s: float, horizon_s: float, n_tiers: int) -> None:
         self.interval_s = interval_s
         self.n_tiers = n_tiers
-        self.n_features = 4 + 2 * n_tiers
+        self.n_features = self.BASE + 3 * n_tiers
+        self.tier_tokens = slice(self.BASE, self.BASE + n_tiers)
+        self.tier_distortion = slice(self.BASE + n_tiers, self.BASE + 2 * n_tiers)
+        self.tier_seq_iters = slice(self.BASE + 2 * n_tiers, self.BASE + 3 * n_tiers)
         n_bins = int(math.ceil(horizon_s / interval_s)) + 3
         self.sums = np.zeros((n_bins, self.n_features))
         # Tick times w·interval for w < n_bins − 1: bin_of is one binary search in them, and a time

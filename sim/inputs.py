@@ -64,6 +64,7 @@ def build_policy(text: str, slo: SLOSpec, profile: Profile, k: int | None = None
     return make_policy(
         policy_spec(text), slo,
         speed_curve=profile.to_speed_curve(k=k), latency_model=profile.to_latency_model(k=k),
+        operating_model=profile.to_operating_model(),
     )
 
 

@@ -9,9 +9,10 @@ Notation, for request r with n_r output tokens:
     D_r    = Σ per-token TV distortion of r's emitted tokens (prefill and target-sampled tokens add 0)
 
 A request *meets its SLO* when it completed and every latency target its tier sets holds for it
-(targets are per request here; the tier's percentile applies to window summaries the policy sees).
-Rejected or unfinished requests are misses. Over a run of duration τ (first to last arrival window):
-    slo_attainment = #met / #arrivals           goodput_rps = #met / τ
+(TTFT and TPOT and E2E where set: DistServe's attainment). Rejected or unfinished requests are misses.
+A tier *meets its objective* (policies.slo) when its attainment is at least ``percentile / 100`` and
+its mean distortion is within its budget. Over a run of duration τ (first to last arrival window):
+    slo_attainment = #met / #arrivals (per tier and overall)    goodput_rps = #met / τ
     mean_distortion = Σ_r D_r / Σ_r n_r (per emitted token)
     cost_per_1k_tokens = replica_seconds / (Σ output tokens / 1000)
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.slo import SLOSpec
+from policies.slo import SLOSpec, TierOutcome, meets_objective, within_budget
 from policies.telemetry import LatencySummary, TierWindow
 from sim.entities import RequestTable
 
@@ -94,6 +95,8 @@ def tier_windows(
     tier_distortion: np.ndarray,
     latencies: Latencies | None = None,
     overall: tuple[LatencySummary, LatencySummary, LatencySummary] | None = None,
+    tier_seq_iters: np.ndarray | None = None,
+    draft_lengths: dict[str, int] | None = None,
 ) -> tuple[dict[str, TierWindow], np.ndarray]:
     """Per-tier window slices for the completions of one window, and the per-request met mask.
 
@@ -108,11 +111,15 @@ def tier_windows(
     out: dict[str, TierWindow] = {}
     for i, name in enumerate(table.tier_names):
         tokens = float(tier_tokens[i])
+        seq_iters = int(round(float(tier_seq_iters[i]))) if tier_seq_iters is not None else 0
+        k = draft_lengths.get(name) if draft_lengths is not None else None
         if not completed_ids.size or not (sel := tiers == i).any():
             out[name] = TierWindow(
                 threshold=thresholds[name],
                 mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
                 output_tokens=int(tokens),
+                draft_length=k,
+                sequence_iterations=seq_iters,
             )
             continue
         n_sel = int(sel.sum())
@@ -131,7 +138,9 @@ def tier_windows(
             tpot=tpot_s,
             e2e=e2e_s,
             mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
-            output_tokens=int(tokens),
+            output_tokens=int(round(tokens)),
+            draft_length=k,
+            sequence_iterations=seq_iters,
         )
     return out, met
 
@@ -170,13 +179,20 @@ def summarize(
             continue
         sel = tiers_done == i
         tok = int(table.emitted[table.tier == i].sum())
+        attained = float(met[sel].sum()) / arrivals_i
+        distortion = float(table.distortion_sum[table.tier == i].sum()) / tok if tok else 0.0
+        spec = slo.tiers[name]
+        outcome = TierOutcome(attainment=attained, mean_distortion=distortion)
         per_tier[name] = {
             "arrivals": arrivals_i,
             "completed": int(sel.sum()),
-            "slo_attainment": round(float(met[sel].sum()) / arrivals_i, 5),
+            "slo_attainment": round(attained, 5),
+            "attainment_target": spec.attainment_target,
+            "within_budget": within_budget(spec, outcome),
+            "meets_objective": meets_objective(spec, outcome),
             "tpot_ms": _pct(tpot[sel]),
             "ttft_ms": _pct(ttft[sel]),
-            "mean_distortion": round(float(table.distortion_sum[table.tier == i].sum()) / tok, 5) if tok else 0.0,
+            "mean_distortion": round(distortion, 5),
         }
     cost_per_1k = replica_seconds / (out_tokens / 1000.0) if out_tokens else math.nan
     summary: dict[str, Any] = {

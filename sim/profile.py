@@ -9,6 +9,12 @@ Schema (``schema_version: 1``; documented field by field in docs/sim.md):
 - ``latency``: draft time per iteration ``k·(draft_a_ms + draft_b_ms·B)``, verify time per iteration
   ``verify_a_ms + verify_b_ms·B + verify_c_ms·k·B`` for a batch of B sequences, and prefill cost
   ``prefill_ms_per_token`` per prompt token (target and draft together).
+- k = 0 is plain target decoding: one target token per step, no draft, zero distortion, step time
+  ``plain_step_a_ms + plain_step_b_ms·B`` when calibration measured it, else *derived* from the fitted
+  target forward, ``verify_a_ms + verify_b_ms·B`` (the verify model at k = 0; the shipped profiles
+  predate k = 0 calibration, see :attr:`Profile.plain_decoding_source`). It needs no acceptance rows.
+- A batch mixing draft lengths (per-row k): the draft model runs ``k_max`` steps over the rows that
+  draft, the verify forward is as wide as each row's own k (see :meth:`LatencyModel.mixed_coeffs`).
 
 Tokens emitted by one iteration for one sequence = accepted drafts A (0..k) + 1 (the target's
 recovered token on the first rejection, or the bonus token when all k are accepted), so 1..k+1.
@@ -32,6 +38,7 @@ from fsd_common.validation import format_validation_error
 
 if TYPE_CHECKING:
     from policies.feedforward import LinearLatencyModel, SpeedCurve
+    from policies.mpc import OperatingModel
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # Calibrated on the engine (``fsd calibrate``): SmolLM2-135M fp32 → int8, one torch thread, 2-core CPU.
@@ -114,25 +121,52 @@ class LatencyModel(BaseModel):
     verify_c_ms: float = Field(..., ge=0, description="verify forward, per sequence per drafted token")
     prefill_ms_per_token: float = Field(..., ge=0, description="prefill (target + draft) per prompt token")
     prefill_fixed_ms: float = Field(0.0, ge=0, description="fixed cost of a prefill call")
+    plain_step_a_ms: float | None = Field(
+        None, ge=0, description="k = 0 (plain target decoding) step, fixed part; None: verify_a_ms (derived)"
+    )
+    plain_step_b_ms: float | None = Field(
+        None, ge=0, description="k = 0 step, per sequence; None: verify_b_ms (derived)"
+    )
     iteration_time_dist: Literal["fixed", "exponential"] = Field(
         "fixed",
         description="'fixed': every iteration takes the model's time; 'exponential': the model's time is "
         "the mean of an exponential draw (queueing-theory checks)",
     )
 
+    def plain_coeffs(self) -> tuple[float, float]:
+        """``(fixed, per_seq)`` of a k = 0 step: measured, else the verify model at k = 0."""
+        a = self.verify_a_ms if self.plain_step_a_ms is None else self.plain_step_a_ms
+        b = self.verify_b_ms if self.plain_step_b_ms is None else self.plain_step_b_ms
+        return a, b
+
     def iteration_ms(self, batch: np.ndarray | int, k: int) -> np.ndarray:
-        """Mean time of one draft+verify iteration for batch sizes ``batch`` (vectorised)."""
-        b = np.asarray(batch, dtype=float)
-        draft = k * (self.draft_a_ms + self.draft_b_ms * b)
-        verify = self.verify_a_ms + self.verify_b_ms * b + self.verify_c_ms * k * b
-        return draft + verify
+        """Mean time of one draft+verify iteration (a plain step at k = 0) for batch sizes ``batch``."""
+        fixed, per_seq = self.iteration_coeffs(k)
+        return fixed + per_seq * np.asarray(batch, dtype=float)
 
     def iteration_coeffs(self, k: int) -> tuple[float, float]:
-        """``(fixed, per_seq)`` with iteration_ms(B, k) = fixed + per_seq · B."""
+        """``(fixed, per_seq)`` with iteration_ms(B, k) = fixed + per_seq · B (every row at k)."""
+        if k == 0:
+            return self.plain_coeffs()
         return (
             k * self.draft_a_ms + self.verify_a_ms,
             k * self.draft_b_ms + self.verify_b_ms + self.verify_c_ms * k,
         )
+
+    def mixed_coeffs(self, ks: np.ndarray) -> tuple[float, np.ndarray]:
+        """``(fixed, per_row)`` of one step over rows with draft lengths ``ks`` ([B]): step ms = fixed +
+        Σ per_row over the rows in the step.
+
+        The draft model runs ``k_max`` steps (rows with a smaller k idle in them, as a padded batch
+        does), over every row with k > 0; the verify forward is ``1 + k_r`` tokens wide per row. All
+        rows at one k reproduce :meth:`iteration_coeffs`; all at k = 0 is a plain step.
+        """
+        k_max = int(ks.max()) if ks.size else 0
+        if k_max == 0:
+            a, b = self.plain_coeffs()
+            return a, np.full(ks.shape, b)
+        per_row = self.verify_b_ms + self.verify_c_ms * ks + (ks > 0) * (k_max * self.draft_b_ms)
+        return k_max * self.draft_a_ms + self.verify_a_ms, per_row.astype(float)
 
     def prefill_ms(self, prompt_tokens: int) -> float:
         return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
@@ -238,10 +272,28 @@ class Profile(BaseModel):
     def divs(self) -> list[str]:
         return sorted({div for div, _ in self._grids})
 
+    @property
+    def plain_decoding_source(self) -> str:
+        """Where the k = 0 step time comes from: measured, or derived from the fitted verify forward."""
+        lat = self.latency
+        if lat.plain_step_a_ms is not None and lat.plain_step_b_ms is not None:
+            return "measured"
+        return "derived: verify_a_ms + verify_b_ms·B (the fitted target forward at k = 0; not measured)"
+
     def draft_lengths(self, div: str) -> list[int]:
+        """Draft lengths with measured acceptance for ``div`` (k >= 1; see :meth:`available_draft_lengths`)."""
         return sorted(k for d, k in self._grids if d == div)
 
+    def available_draft_lengths(self, div: str) -> list[int]:
+        """Draft lengths the simulator can run for ``div``: 0 (plain decoding, always) and the measured k."""
+        if div not in self.divs():
+            raise ValueError(f"div {div!r} is not in the profile; known divs: {self.divs()}")
+        return [0, *self.draft_lengths(div)]
+
     def thresholds(self, div: str, k: int) -> np.ndarray:
+        if k == 0:
+            self.available_draft_lengths(div)  # ValueError naming an unknown div
+            return np.zeros(1)  # T has no effect at k = 0
         return self._grid(div, k).thresholds.copy()
 
     def _grid(self, div: str, k: int) -> _Grid:
@@ -258,6 +310,8 @@ class Profile(BaseModel):
     def position_accept(self, div: str, threshold: float, k: int) -> np.ndarray:
         """Per-position conditional acceptance at T = ``threshold`` (linear in T between grid points)."""
         _check_threshold(threshold)
+        if k == 0:
+            return np.zeros(0)
         grid = self._grid(div, k)
         return np.array(
             [np.interp(threshold, grid.thresholds, grid.position_accept[:, i]) for i in range(k)]
@@ -269,6 +323,8 @@ class Profile(BaseModel):
 
     def mean_distortion(self, div: str, threshold: float, k: int) -> float:
         _check_threshold(threshold)
+        if k == 0:
+            return 0.0  # plain target decoding emits exactly the target's law
         grid = self._grid(div, k)
         return float(np.interp(threshold, grid.thresholds, grid.mean_distortion))
 
@@ -276,6 +332,8 @@ class Profile(BaseModel):
         """``(p, size)``: each emitted token carries distortion ``size`` with probability ``p``, so the
         mean per token is ``mean_distortion``; None when the profile has no event fractions (mean only)."""
         _check_threshold(threshold)
+        if k == 0:
+            return (0.0, 0.0)
         grid = self._grid(div, k)
         if grid.distorted_per_token is None:
             return None
@@ -292,7 +350,9 @@ class Profile(BaseModel):
         return 1.0 + float(self.survival(div, threshold, k).sum())
 
     def expected_acceptance_rate(self, div: str, threshold: float, k: int) -> float:
-        """E[accepted] / k (the 'acceptance rate' the decoder reports)."""
+        """E[accepted] / k (the 'acceptance rate' the decoder reports); NaN at k = 0 (nothing drafted)."""
+        if k == 0:
+            return math.nan
         return float(self.survival(div, threshold, k).sum()) / k
 
     def tpot_ms(self, div: str, threshold: float, k: int, batch: int) -> float:
@@ -316,6 +376,10 @@ class Profile(BaseModel):
             )
         )
 
+    def to_operating_model(self, div: str | None = None, source: str = "") -> OperatingModel:
+        """See :func:`to_operating_model`."""
+        return to_operating_model(self, div, source)
+
     def to_latency_model(self, k: int | None = None) -> LinearLatencyModel:
         """The same iteration-time model in the feed-forward policy's ``(b − 1)`` parameterisation."""
         from policies.feedforward import LinearLatencyModel
@@ -329,6 +393,31 @@ class Profile(BaseModel):
             verify_ms_per_seq=lat.verify_b_ms + lat.verify_c_ms * k,
             draft_length=k,
         )
+
+
+def to_operating_model(profile: Profile, div: str | None = None, source: str = "") -> OperatingModel:
+    """The model-predictive policy's plain-data model: (T, k) points of ``div`` (k = 0 included) and the
+    step cost. Lives beside :class:`Profile` so the policies package never imports the simulator."""
+    from policies.mpc import OperatingModel, OperatingPoint, StepCost
+
+    div = div or profile.default_div
+    points = [OperatingPoint(threshold=0.0, k=0, tokens_per_step=1.0, mean_distortion=0.0)]
+    for k in profile.draft_lengths(div):
+        for t in profile.thresholds(div, k):
+            points.append(OperatingPoint(
+                threshold=float(t), k=k,
+                tokens_per_step=profile.expected_tokens_per_iter(div, float(t), k),
+                mean_distortion=profile.mean_distortion(div, float(t), k),
+            ))
+    lat = profile.latency
+    plain_a, plain_b = lat.plain_coeffs()
+    cost = StepCost(
+        draft_fixed_ms=lat.draft_a_ms, draft_per_seq_ms=lat.draft_b_ms, verify_fixed_ms=lat.verify_a_ms,
+        verify_per_seq_ms=lat.verify_b_ms, verify_per_token_ms=lat.verify_c_ms, plain_fixed_ms=plain_a,
+        plain_per_seq_ms=plain_b, prefill_fixed_ms=lat.prefill_fixed_ms, prefill_ms_per_token=lat.prefill_ms_per_token,
+    )
+    return OperatingModel(points=tuple(points), cost=cost,
+                          source=source or f"{profile.provenance.pair} (div {div}; k = 0 {profile.plain_decoding_source})")
 
 
 def _check_threshold(threshold: float) -> None:

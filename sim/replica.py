@@ -19,10 +19,13 @@ Iteration model (per replica, batch of B sequences, draft length k):
   draft/verify iteration over every row), the prefill and the decode iteration after it are one
   step: a joiner's first tokens come at the end of that decode iteration (TTFT), and nothing (an
   arrival, a new threshold) cuts between the two.
-- A decode iteration takes ``iteration_ms(B, k)``; each sequence emits accepted + 1 tokens, accepted
-  drawn from the profile's per-position acceptance at its tier's current T (one uniform per
-  sequence: accepted = #{i : u < S_i}, S_i = P(at least i accepted)); a sequence's last iteration is
-  clipped at its output length.
+- A decode iteration takes ``iteration_ms(B, k)`` when every row drafts the same k, else the mixed
+  model (:meth:`sim.profile.LatencyModel.mixed_coeffs`: ``k_max`` draft steps over the drafting rows,
+  verify as wide as each row's k) over the rows still running; each sequence emits accepted + 1
+  tokens, accepted drawn from the profile's per-position acceptance at its tier's current (T, k) (one
+  uniform per sequence: accepted = #{i : u < S_i}, S_i = P(at least i accepted), S padded with zeros
+  past the tier's k; k = 0 emits exactly one token); a sequence's last iteration is clipped at its
+  output length. A segment keeps the k of the rows it was drawn with: a new k truncates it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import numpy as np
 from sim.entities import RequestTable, WindowBins
 from sim.profile import LatencyModel
 
+_B = WindowBins.BASE
+
 
 class ReplicaState(enum.Enum):
     STARTING = "starting"
@@ -48,12 +53,13 @@ class ReplicaState(enum.Enum):
 class DecodeSettings:
     """What a replica reads from the simulator when it draws a segment (shared, mutated by control)."""
 
-    k: int
-    survival_by_tier: np.ndarray  # [n_tiers, k] P(at least i+1 drafts accepted)
+    k_by_tier: np.ndarray  # [n_tiers] draft length per tier (0 = plain decoding)
+    k_pad: int  # width of the survival tables: max k over tiers (>= 1)
+    survival_by_tier: np.ndarray  # [n_tiers, k_pad] P(at least i+1 drafts accepted), 0 past the tier's k
     distortion_by_tier: np.ndarray  # [n_tiers] mean TV per emitted decode token
-    survival_asc_by_tier: np.ndarray  # [n_tiers, k] survival reversed (ascending, for searchsorted)
+    survival_asc_by_tier: np.ndarray  # [n_tiers, k_pad] survival reversed (ascending, for searchsorted)
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
-    iteration_coeffs: tuple[float, float]  # iteration ms = fixed + per_seq · B at the current k
+    coeffs_by_tier: list[tuple[float, float]]  # step ms = fixed + per_seq · B with every row at the tier's k
     # Distortion as events (None: every token carries its tier's mean): a token carries
     # event_size_by_tier[τ] with probability event_p_by_tier[τ], so short windows see the real noise.
     event_p_by_tier: np.ndarray | None = None  # [n_tiers]
@@ -168,13 +174,14 @@ class Replica:
         # reversed (ascending). Tokens emitted = accepted + 1.
         u = self.rng.random((h, b))
         survival_asc = settings.survival_asc_by_tier
-        k_plus_1 = settings.k + 1
+        k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
         n_iter = h + off
         cum = np.empty((n_iter, b), dtype=np.int64)
         dec = cum[off:]
         t0 = int(tiers[0])
-        if b == 1 or table.single_tier or int(tiers.min()) == int(tiers.max()):
+        one_tier = b == 1 or table.single_tier or int(tiers.min()) == int(tiers.max())
+        if one_tier:
             np.subtract(k_plus_1, survival_asc[t0].searchsorted(u, side="right"), out=dec)
             tier_set = frozenset((t0,))
         else:
@@ -195,9 +202,25 @@ class Replica:
         active_before = np.empty(n_iter, dtype=np.int64)
         active_before[0] = b
         active_before[1:] = active_after[:-1]
-        fixed_ms, per_seq_ms = settings.iteration_coeffs
-        dt_ms = active_before * per_seq_ms
-        dt_ms += fixed_ms
+        n_t = self.bins.n_tiers
+        k_by_tier = settings.k_by_tier
+        alive_before: np.ndarray | None = None  # [L, B] rows in iteration j (only for mixed batches)
+        if not one_tier:
+            alive_before = np.empty((n_iter, b))
+            alive_before[0] = 1.0
+            alive_before[1:] = alive[:-1]
+        row_k = k_by_tier.take(tiers)
+        if one_tier or int(row_k.min()) == int(row_k.max()):
+            fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
+            dt_ms = active_before * per_seq_ms
+            dt_ms += fixed_ms
+            drafted = active_before * int(row_k[0])
+        else:
+            assert alive_before is not None
+            fixed_ms, per_row_ms = self.latency.mixed_coeffs(row_k)
+            dt_ms = alive_before @ per_row_ms
+            dt_ms += fixed_ms
+            drafted = alive_before @ row_k.astype(float)
         if n_new:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
@@ -212,22 +235,31 @@ class Replica:
         length = j + 1 if stop[j] else n_iter
 
         # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
-        # row of tier_weights is [1, 0, 0, d_τ, onehot(τ), d_τ·onehot(τ)] for its tier τ.
+        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
         tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
         tokens[0] = emitted[0]
         np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
         features = tokens @ settings.tier_weights.take(tiers, axis=0)  # [L, F]
-        features[:, 1] = active_before
+        features[:, WindowBins.SEQ_ITERS] = active_before
+        features[:, WindowBins.DRAFTED] = drafted
+        features[:, WindowBins.ITERS] = 1.0
+        features[:, WindowBins.ITER_MS] = dt_ms
+        if alive_before is None:
+            features[:, _B + 2 * n_t + t0] = active_before
+        else:
+            onehot = settings.tier_weights[:, _B : _B + n_t].take(tiers, axis=0)  # [B, n_tiers]
+            features[:, _B + 2 * n_t :] = alive_before @ onehot
         distortion_rows = None
         if settings.event_p_by_tier is not None and settings.event_size_by_tier is not None:
-            n_t = self.bins.n_tiers
             events = self.rng.binomial(tokens.astype(np.int64), settings.event_p_by_tier.take(tiers))
             distortion_rows = events * settings.event_size_by_tier.take(tiers)
-            features[:, 3] = distortion_rows.sum(axis=1)
-            features[:, 4 + n_t :] = distortion_rows @ settings.tier_weights[:, 4 : 4 + n_t].take(tiers, axis=0)
+            features[:, WindowBins.DISTORTION] = distortion_rows.sum(axis=1)
+            features[:, _B + n_t : _B + 2 * n_t] = (
+                distortion_rows @ settings.tier_weights[:, _B : _B + n_t].take(tiers, axis=0)
+            )
         # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
         # iteration is clipped at its output length, which undercounts that iteration's accepts.
-        np.subtract(features[:, 0], active_before, out=features[:, 2])
+        np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
         if n_new:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
         bins = self.bins.bin_of(end_s)

@@ -48,7 +48,7 @@ class SimConfig(BaseModel):
     push_delay_s: float = Field(0.05, ge=0, description="decision → replicas latency")
     telemetry_age_s: float = Field(0.0, ge=0, description="staleness reported to the policy")
     div: str | None = Field(None, description="divergence (default: the profile's)")
-    k: int | None = Field(None, ge=1, description="initial draft length (default: the profile's)")
+    k: int | None = Field(None, ge=0, description="initial draft length of every tier (default: the profile's)")
     autoscaler: AutoscalerConfig | None = None
     honour_policy_replicas: bool = Field(False, description="use Decision.replicas as the autoscaler's desire")
     drain_timeout_s: float = Field(600.0, ge=0, description="after the last arrival; then unfinished = missed")
@@ -90,8 +90,8 @@ class Simulator:
         self.policy = policy
         self.rng = np.random.default_rng(config.seed)
         self.div = config.div or profile.default_div
-        self.k = config.k or profile.default_k
-        profile.thresholds(self.div, self.k)  # ValueError naming div/k when absent
+        initial_k = config.k if config.k is not None else profile.default_k
+        profile.thresholds(self.div, initial_k)  # ValueError naming div/k when absent
         self.tier_names = list(slo.tiers)
         self._tier_index = {name: i for i, name in enumerate(self.tier_names)}
         if isinstance(workload, Workload):
@@ -104,13 +104,17 @@ class Simulator:
         self.counters = EventCounters()
         # Every tier starts at its fail-safe T until the first decision lands (at t = 0).
         self.thresholds = {name: tier.clamp(tier.safe_threshold) for name, tier in slo.tiers.items()}
+        # Every tier starts at the initial k; a decision's draft_lengths move it per tier.
+        self.draft_lengths = {name: initial_k for name in slo.tiers}
+        n_t = len(self.tier_names)
         self.settings = DecodeSettings(
-            k=self.k,
-            survival_by_tier=np.zeros((len(self.tier_names), self.k)),
-            distortion_by_tier=np.zeros(len(self.tier_names)),
-            survival_asc_by_tier=np.zeros((len(self.tier_names), self.k)),
-            tier_weights=np.zeros((len(self.tier_names), 4 + 2 * len(self.tier_names))),
-            iteration_coeffs=profile.latency.iteration_coeffs(self.k),
+            k_by_tier=np.zeros(n_t, dtype=np.int64),
+            k_pad=1,
+            survival_by_tier=np.zeros((n_t, 1)),
+            distortion_by_tier=np.zeros(n_t),
+            survival_asc_by_tier=np.zeros((n_t, 1)),
+            tier_weights=np.zeros((n_t, WindowBins.BASE + 3 * n_t)),
+            coeffs_by_tier=[],
         )
         self._refresh_settings()
         self.autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
@@ -168,19 +172,29 @@ class Simulator:
         self._routable_cache = None
         return r
 
+    @property
+    def k(self) -> int:
+        """The default tier's draft length (single-k readers: telemetry, meta)."""
+        return self.draft_lengths[self.slo.default_tier]
+
     def _refresh_settings(self) -> None:
-        k = self.k
         s = self.settings
-        s.k = k
-        s.iteration_coeffs = self.profile.latency.iteration_coeffs(k)
-        s.survival_by_tier = np.stack(
-            [self.profile.survival(self.div, self.thresholds[n], k) for n in self.tier_names]
-        )
+        ks = [self.draft_lengths[n] for n in self.tier_names]
+        s.k_by_tier = np.array(ks, dtype=np.int64)
+        s.k_pad = max(1, *ks)
+        s.coeffs_by_tier = [self.profile.latency.iteration_coeffs(k) for k in ks]
+        survival = np.zeros((len(ks), s.k_pad))
+        for i, (n, k) in enumerate(zip(self.tier_names, ks, strict=True)):
+            survival[i, :k] = self.profile.survival(self.div, self.thresholds[n], k)
+        s.survival_by_tier = survival
         s.distortion_by_tier = np.array(
-            [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n in self.tier_names]
+            [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n, k in zip(self.tier_names, ks, strict=True)]
         )
         s.survival_asc_by_tier = np.ascontiguousarray(s.survival_by_tier[:, ::-1])
-        events = [self.profile.distortion_events(self.div, self.thresholds[n], k) for n in self.tier_names]
+        events = [
+            self.profile.distortion_events(self.div, self.thresholds[n], k)
+            for n, k in zip(self.tier_names, ks, strict=True)
+        ]
         present = [e for e in events if e is not None]
         if len(present) == len(events):
             s.event_p_by_tier = np.array([p for p, _ in present])
@@ -188,11 +202,12 @@ class Simulator:
         else:
             s.event_p_by_tier = s.event_size_by_tier = None
         n_t = len(self.tier_names)
-        w = np.zeros((n_t, 4 + 2 * n_t))
-        w[:, 0] = 1.0
-        w[:, 3] = s.distortion_by_tier
-        w[:, 4 : 4 + n_t] = np.eye(n_t)
-        w[:, 4 + n_t :] = np.diag(s.distortion_by_tier)
+        base = WindowBins.BASE
+        w = np.zeros((n_t, base + 3 * n_t))
+        w[:, WindowBins.TOKENS] = 1.0
+        w[:, WindowBins.DISTORTION] = s.distortion_by_tier
+        w[:, base : base + n_t] = np.eye(n_t)
+        w[:, base + n_t : base + 2 * n_t] = np.diag(s.distortion_by_tier)
         s.tier_weights = w
 
     def _schedule_segment(self, replica: Replica, end_s: float | None) -> list[Event]:
@@ -299,24 +314,25 @@ class Simulator:
             if t != self.thresholds[name]:
                 self.thresholds[name] = t
                 changed_tiers.add(self._tier_index[name])
-        k_changed = False
-        k = decision.draft_length
-        if k is not None and k != self.k:
-            if k in self.profile.draft_lengths(self.div):
-                self.k = k
-                k_changed = True
-            else:
+        available = self.profile.available_draft_lengths(self.div)
+        for name, k in decision.draft_lengths.items():
+            if name not in self.draft_lengths:
+                continue  # an unknown tier: TierClamp drops it in guarded policies
+            if k not in available:
                 self.ignored_draft_lengths.add(k)
+            elif k != self.draft_lengths[name]:
+                self.draft_lengths[name] = k
+                changed_tiers.add(self._tier_index[name])
         if decision.replicas is not None:
             self._policy_replicas = decision.replicas
-        if not changed_tiers and not k_changed:
+        if not changed_tiers:
             return []
         self._refresh_settings()
-        # A drawn segment depends on k and on the thresholds of the tiers in its batch only.
+        # A drawn segment depends on the (T, k) of the tiers in its batch only.
         out: list[Event] = []
         for r in self.replicas:
             seg = r.segment
-            if seg is not None and (k_changed or not changed_tiers.isdisjoint(seg.tiers)):
+            if seg is not None and not changed_tiers.isdisjoint(seg.tiers):
                 moved = r.truncate(now, need_room=False)
                 if moved is not None:
                     out.append(SegmentEnd(moved, r.id, r.version))
@@ -377,7 +393,6 @@ class Simulator:
         window_s = max(now - self._last_tick_s, 1e-9)
         w = self._tick + 1
         sums = self.bins.sums[w]
-        n_t = len(self.tier_names)
         tokens = float(sums[WindowBins.TOKENS])
         seq_iters = float(sums[WindowBins.SEQ_ITERS])
         accepted = float(sums[WindowBins.ACCEPTED])
@@ -391,8 +406,12 @@ class Simulator:
         done = cand
         ttft, tpot, e2e = latencies = latencies_ms(self.table, done)
         overall = (fast_summary(ttft), fast_summary(tpot[~np.isnan(tpot)]), fast_summary(e2e))
-        tiers, met = tier_windows(self.table, done, self.slo, self.thresholds, sums[4 : 4 + n_t],
-                                  sums[4 + n_t :], latencies, overall)
+        bins = self.bins
+        tiers, met = tier_windows(self.table, done, self.slo, self.thresholds, sums[bins.tier_tokens],
+                                  sums[bins.tier_distortion], latencies, overall,
+                                  tier_seq_iters=sums[bins.tier_seq_iters], draft_lengths=self.draft_lengths)
+        iters = float(sums[WindowBins.ITERS])
+        drafted = float(sums[WindowBins.DRAFTED])
         queue_per = tuple([len(r.queue) for r in self._live()])
         self._completed_total += int(done.size)
         in_flight = self.counters.admitted_total - self._completed_total
@@ -409,13 +428,15 @@ class Simulator:
             ttft=overall[0],
             tpot=overall[1],
             e2e=overall[2],
-            acceptance_rate=accepted / (k * seq_iters) if seq_iters else math.nan,
+            acceptance_rate=accepted / drafted if drafted else math.nan,
             mean_accepted_per_iter=accepted / seq_iters if seq_iters else math.nan,
             mean_distortion=distortion / tokens if tokens else 0.0,
             output_tokens=int(round(tokens)),
             output_tokens_per_s=tokens / window_s,
             replicas=max(1, self._active_count()),
             draft_length=k,
+            mean_iteration_ms=float(sums[WindowBins.ITER_MS]) / iters if iters else math.nan,
+            mean_batch_size=seq_iters / iters if iters else math.nan,
             age_s=self.config.telemetry_age_s,
             tiers=tiers,
         )
@@ -445,6 +466,7 @@ class Simulator:
         }
         for name in self.tier_names:
             row[f"T_{name}"] = self.thresholds[name]
+            row[f"k_{name}"] = self.draft_lengths[name]
         for key, value in row.items():
             ts.setdefault(key, []).append(float(value))
 
@@ -528,6 +550,8 @@ class Simulator:
             "config": self.config.model_dump(),
             "div": self.div,
             "draft_length": self.k,
+            "draft_lengths": dict(self.draft_lengths),
+            "k0_step_time": self.profile.plain_decoding_source,
             "tier_names": self.tier_names,
             "profile_provenance": self.profile.provenance.model_dump(),
             "notes": notes,

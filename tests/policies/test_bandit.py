@@ -95,28 +95,43 @@ def expected_reward(policy: BanditPolicy, attainment: float, t: float) -> float:
 
 
 class Environment:
-    """One telemetry window per tick: binomial SLO attainment for the arm in play, noisy distortion."""
+    """One 1 s telemetry window per tick: binomial SLO attainment, noisy distortion. The requests that
+    finish in a window arrived ``lag`` windows earlier (their E2E), so the window's outcome is that of
+    the arm in play back then — the reward is lagged, as in a serving system."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, lag: int = 0) -> None:
         self.rng = np.random.default_rng(seed)
+        self.lag = lag
+        self.played: list[float | None] = []  # threshold pushed at each tick
+        self.source_arm: dict[float, float] = {}  # window time → threshold whose requests finished in it
 
     def window(
         self, tick: int, threshold: float | None, attainment_by_arm: list[float], arrivals: int = 20
     ) -> Telemetry:
-        if threshold is None:
-            return make_telemetry(time_s=float(tick + 1), arrivals=arrivals)
-        p = attainment_by_arm[ARMS.index(threshold)]
+        self.played.append(threshold)
+        # Requests finishing in (tick, tick + 1] arrived in the window `lag` ticks earlier, under the
+        # threshold in force then (pushed at the end of the tick before it).
+        source_tick = tick - self.lag
+        source = self.played[source_tick] if source_tick >= 0 else None
+        time_s = float(tick + 1)
+        if source is None:  # nothing finishes yet
+            return make_telemetry(time_s=time_s, arrivals=arrivals, completions=0)
+        self.source_arm[time_s] = source
+        p = attainment_by_arm[ARMS.index(source)]
         met = int(self.rng.binomial(COMPLETIONS, p))
-        distortion = distortion_of(threshold) * math.exp(0.1 * self.rng.standard_normal())
+        distortion = distortion_of(source) * math.exp(0.1 * self.rng.standard_normal())
+        e2e_ms = 1000.0 * self.lag + 500.0
         window = make_tier_window(
-            threshold=threshold, completions=COMPLETIONS, slo_met=met, mean_distortion=distortion
+            threshold=source, completions=COMPLETIONS, slo_met=met, mean_distortion=distortion, e2e_ms=e2e_ms
         )
-        return make_telemetry(time_s=float(tick + 1), arrivals=arrivals, tiers={"standard": window})
+        return make_telemetry(time_s=time_s, arrivals=arrivals, tiers={"standard": window})
 
 
-def run(policy: BanditPolicy, seed: int, schedule: list[list[float]]) -> list[int]:
+def run(
+    policy: BanditPolicy, seed: int, schedule: list[list[float]], env: Environment | None = None
+) -> list[int]:
     """Play one tick per entry of ``schedule`` (the attainment table in force); return arm indices."""
-    env = Environment(seed)
+    env = env or Environment(seed)
     threshold: float | None = None
     pulls = []
     for tick, table in enumerate(schedule):
@@ -143,7 +158,8 @@ def test_stationary_concentrates_on_best_arm_with_sublinear_regret(seed: int) ->
 def test_stationary_with_default_window_still_prefers_the_best_arm() -> None:
     policy = BanditPolicy(make_slo(), arms=ARMS, seed=3)  # window 100: keeps re-checking other arms
     pulls = run(policy, 3, [HIGH_LOAD] * 600)
-    assert np.mean(np.array(pulls[300:]) == ARMS.index(0.6)) >= 0.75
+    # Each re-check costs a whole episode (one uncredited window + min_credited credited ones).
+    assert np.mean(np.array(pulls[300:]) == ARMS.index(0.6)) >= 0.65
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -158,7 +174,7 @@ def test_after_a_load_shift_moves_to_the_new_best_arm_within_60_windows(seed: in
     assert moved is not None and moved - shift <= 60, (
         f"moved after {None if moved is None else moved - shift}"
     )
-    assert new_best[shift + 100 :].mean() >= 0.75
+    assert new_best[shift + 100 :].mean() >= 0.65
 
 
 def alternate_loads(policy: BanditPolicy, seed: int) -> dict[str, np.ndarray]:
@@ -182,14 +198,14 @@ def alternate_loads(policy: BanditPolicy, seed: int) -> dict[str, np.ndarray]:
 
 def test_contextual_variant_learns_the_best_arm_per_load_bin() -> None:
     contextual = alternate_loads(
-        BanditPolicy(make_slo(), arms=ARMS, context_bins=[25.0], window=400, seed=5), 5
+        BanditPolicy(make_slo(), arms=ARMS, context_bins=[25.0], window=400, min_credited=1, seed=5), 5
     )
     # Low load: T = 0.2 is best (0.4 trails by only 0.027); what matters is not running T ≥ 0.6 there.
     assert np.mean(contextual["low"] == 0.2) >= 0.5
     assert np.mean(contextual["low"] >= 0.6) <= 0.2
     assert np.mean(contextual["high"] == 0.6) >= 0.8
     # Without the context the same learner settles on the high-load arm for both loads.
-    blind = alternate_loads(BanditPolicy(make_slo(), arms=ARMS, window=400, seed=5), 5)
+    blind = alternate_loads(BanditPolicy(make_slo(), arms=ARMS, window=400, min_credited=1, seed=5), 5)
     assert np.mean(blind["low"] >= 0.6) >= 0.5
 
 
@@ -227,7 +243,7 @@ def test_reward_without_tier_windows_uses_aggregate_percentiles() -> None:
 def test_arms_with_draft_length_set_the_decision_and_other_tiers_follow_the_fraction() -> None:
     policy = BanditPolicy(make_slo(), arms=[(0.5, 3)], seed=0)
     decision = policy.decide(make_telemetry())
-    assert decision.draft_length == 3
+    assert decision.draft_lengths == {"standard": 3, "economy": 3}  # the pinned lossless tier keeps its k
     assert decision.thresholds == {"lossless": 0.0, "standard": 0.5, "economy": 2.0}
 
 
@@ -235,7 +251,7 @@ def test_bad_arms_raise_naming_the_arm() -> None:
     with pytest.raises(ValueError, match=r"arms\[1\]: T=1.5 outside tier 'standard'"):
         BanditPolicy(make_slo(), arms=[0.0, 1.5])
     with pytest.raises(ValueError, match=r"arms\[0\]: draft length"):
-        BanditPolicy(make_slo(), arms=[(0.5, 0)])
+        BanditPolicy(make_slo(), arms=[(0.5, -1)])
     with pytest.raises(ValueError, match="context_bins"):
         BanditPolicy(make_slo(), context_bins=[5.0, 1.0])
 
@@ -257,3 +273,27 @@ def test_regression_infinite_distortion_is_not_credited_and_does_not_crash() -> 
     decision = policy.decide(make_telemetry(time_s=2.0, tiers={"standard": broken}))
     assert decision.thresholds["standard"] == first
     assert sum(int(learner.pulls.sum()) for learner in policy.learners) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lagged_reward_is_credited_to_the_arm_whose_requests_produced_it(seed: int) -> None:
+    # Requests take 12 windows from arrival to completion: a window's outcome belongs to the arm in
+    # play 12 ticks earlier. Every credited reward must come from the arm it is credited to.
+    env = Environment(seed, lag=12)
+    policy = BanditPolicy(make_slo(), arms=ARMS, window=1000, c=0.2, seed=seed)
+    pulls = run(policy, seed, [HIGH_LOAD] * 1500, env=env)
+    assert len(policy.credit_log) >= 100
+    wrong = [(t, arm) for t, arm, _ in policy.credit_log if env.source_arm[t] != ARMS[arm]]
+    assert not wrong, f"rewards credited to the wrong arm at {wrong[:5]}"
+    assert np.mean(np.array(pulls[-300:]) == ARMS.index(0.6)) >= 0.6
+
+
+def test_crediting_the_current_arm_under_lag_would_mislabel_rewards() -> None:
+    # The check the gate replaces: with a 12-window lag, the arm in play when a window closes is often
+    # not the one whose requests finished in it (what the old policy credited).
+    env = Environment(0, lag=12)
+    policy = BanditPolicy(make_slo(), arms=ARMS, window=1000, c=0.2, seed=0)
+    pulls = run(policy, 0, [HIGH_LOAD] * 400, env=env)
+    in_play = {float(tick + 1): ARMS[pulls[tick - 1]] for tick in range(1, len(pulls))}
+    mismatched = sum(1 for t, source in env.source_arm.items() if t in in_play and in_play[t] != source)
+    assert mismatched >= 20

@@ -213,8 +213,8 @@ def test_policy_queue_delay_metric_uses_littles_law_against_ttft_target() -> Non
 
 
 def test_policy_rejects_tiers_without_a_target_or_pinned() -> None:
-    with pytest.raises(ValueError, match="tiers: tier 'standard' has no target for metric 'ttft'"):
-        PIDPolicy(make_slo(), tiers="standard", metric="ttft")
+    with pytest.raises(ValueError, match="tiers: tier 'standard' has no target for metric 'e2e'"):
+        PIDPolicy(make_slo(), tiers="standard", metric="e2e")
     with pytest.raises(ValueError, match="lossless"):
         PIDPolicy(make_slo(), tiers="lossless")
     with pytest.raises(ValueError, match="unknown tier 'gold'"):

@@ -28,6 +28,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "pid": {"policy": "pid", "kp": 0.5, "ki": 0.1},
     "bandit": {"policy": "bandit", "arms": [0.0, 0.5, 1.0], "seed": 3},
     "feedforward": {"policy": "feedforward", "curve": CURVE, "latency": LATENCY},
+    "mpc": {"policy": "mpc", "max_batch": 4},
 }
 
 
@@ -68,7 +69,7 @@ def test_static_shorthand_and_json_string() -> None:
 def test_bandit_arms_with_draft_length_from_json_lists() -> None:
     policy = make_policy({"policy": "bandit", "arms": [[0.5, 3], [1.0, 5]], "guards": False}, make_slo())
     decision = policy.decide(make_telemetry())
-    assert (decision.thresholds["standard"], decision.draft_length) in {(0.5, 3), (1.0, 5)}
+    assert (decision.thresholds["standard"], decision.draft_lengths["standard"]) in {(0.5, 3), (1.0, 5)}
 
 
 def test_feedforward_takes_curve_and_latency_from_the_caller() -> None:
@@ -91,7 +92,7 @@ def test_guards_block_configures_the_wrappers() -> None:
     bare = make_policy({"policy": "static", "thresholds": 0.5, "guards": False}, make_slo())
     assert describe(bare) == {
         "name": "static",
-        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}},
+        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}, "draft_lengths": {}},
         "last_decision": None,
     }
 
@@ -107,7 +108,7 @@ def test_guards_block_configures_the_wrappers() -> None:
             r"^pid\.metric: Input should be 'tpot', 'ttft', 'e2e', 'queue_delay' or 'tpot_live'",
         ),
         ({"policy": "pid", "tiers": ["gold"]}, r"^pid: unknown tier 'gold'"),
-        ({"policy": "pid", "metric": "ttft"}, r"^pid\.metric: no unpinned tier has a target for 'ttft'"),
+        ({"policy": "pid", "metric": "e2e"}, r"^pid\.metric: no unpinned tier has a target for 'e2e'"),
         ({"policy": "bandit", "window": 0}, r"^bandit\.window: Input should be greater than or equal to 1"),
         ({"policy": "bandit", "arms": [0.0, 2.0]}, r"^bandit\.arms\[1\]: T=2.0 outside tier 'standard'"),
         ({"policy": "bandit", "context": "moon_phase"}, r"^bandit\.context: Input should be"),
@@ -138,7 +139,7 @@ def test_bad_config_raises_value_error_naming_the_field(spec: Any, message: str)
 
 @pytest.mark.parametrize("spec", ["magic", {"policy": "magic"}, {"kp": 0.5}])
 def test_unknown_policy_name_lists_the_known_ones(spec: Any) -> None:
-    with pytest.raises(ValueError, match=r"known policies: \['slo', 'static', 'pid', 'bandit', 'feedforward'\]"):
+    with pytest.raises(ValueError, match=r"known policies: \['slo', 'static', 'pid', 'bandit', 'feedforward', 'mpc'\]"):
         make_policy(spec, make_slo())
 
 
@@ -187,12 +188,13 @@ def test_slo_alias_is_the_shipped_default_policy() -> None:
     by_alias = describe(make_policy("slo", SLOSpec.default()))
     by_spec = describe(make_policy(dict(DEFAULT_POLICY_SPEC), SLOSpec.default()))
     assert by_alias == by_spec
-    assert "tpot_live" in str(by_alias)
+    assert "mpc" in str(by_alias)
 
 
 def test_slo_alias_as_mapping_takes_overrides() -> None:
     from policies.registry import describe, make_policy
     from policies.slo import SLOSpec
 
-    d = describe(make_policy({"policy": "slo", "kp": 0.7, "guards": False}, SLOSpec.default()))
-    assert d["name"] == "pid" and d["params"]["kp"] == 0.7 and d["params"]["metric"] == "tpot_live", d
+    d = describe(make_policy({"policy": "slo", "max_batch": 16, "guards": False}, SLOSpec.default()))
+    assert d["name"] == "mpc" and d["params"]["max_batch"] == 16, d
+    assert d["last_decision"] is None

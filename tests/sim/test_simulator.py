@@ -285,7 +285,7 @@ class _WantsDraftLength:
     def decide(self, telemetry):
         from policies.decision import Decision
 
-        return Decision(thresholds={"standard": 0.5}, draft_length=self.k)
+        return Decision(thresholds={"standard": 0.5}, draft_lengths={"standard": self.k})
 
     def reset(self) -> None:
         pass
@@ -296,12 +296,12 @@ def test_decision_draft_length_applies_when_the_profile_has_it() -> None:
     w = make_workload(duration_s=300.0, arrivals={"kind": "poisson", "rate": 0.3},
                       output_tokens={"kind": "fixed", "value": 600})
     res = run_sim(w, _WantsDraftLength(2), replicas=2, seed=1)
-    assert res.meta["draft_length"] == 2
+    assert res.meta["draft_lengths"]["standard"] == 2
     acc = np.asarray(res.timeseries["acceptance_rate"])
     expected = profile.expected_acceptance_rate("kl", 0.5, 2)
     assert float(np.nanmean(acc)) == pytest.approx(expected, rel=0.03)
     ignored = run_sim(w, _WantsDraftLength(5), replicas=2, seed=1)
-    assert ignored.meta["draft_length"] == 4
+    assert ignored.meta["draft_lengths"]["standard"] == 4
     assert any("draft lengths [5]" in n for n in ignored.meta["notes"])
 
 

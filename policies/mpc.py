@@ -1,0 +1,596 @@
+"""Model-predictive SLO control of (T, k) per tier: the shipped default policy (``"slo"``).
+
+Each control window the policy predicts, for every joint candidate of (T, k) per tier, each tier's
+TPOT and TTFT at the load it measures, and picks the candidate the objective in :mod:`policies.slo`
+prefers. The model is plain data (:class:`OperatingModel`, built from a simulator/calibration profile
+by ``sim.profile.Profile.to_operating_model``), corrected online; the safety margin between a mean
+prediction and a percentile target is learned from measured attainment (the outer loop), not set by
+hand.
+
+**Prediction** for a candidate (one (T_τ, k_τ) per tier τ):
+
+* tokens per sequence per step ``n_τ = 1 + E[accepted]`` at (T_τ, k_τ) from the model (1 at k = 0),
+  times an online correction ``a_τ`` = EWMA of measured / modelled tokens per step of the tier;
+* one step over the running batch (tier shares ``s_τ`` of the running rows, measured):
+  ``step = c · (fixed(k_max) + B · Σ s_τ · per_row(k_τ, k_max))`` — the draft model runs k_max steps
+  over the drafting rows, verify is as wide as each row's k (the simulator's mixed-batch model) —
+  with ``c`` = EWMA of measured / modelled step time;
+* the batch ``B`` at the candidate's speed from Little's law on the measured arrival rate λ per
+  replica and mean output length L: ``B = λ·L·TPOT(B)`` solved in closed form (step time is linear in
+  B), planned at its upper quantile ``B̄ + z·sqrt(B̄)`` (a request lives through the batch's Poisson
+  fluctuations); at least the running batch measured now; no solution below ``max_batch`` ⇒ the
+  candidate is overloaded (queue grows; TTFT unbounded);
+* ``TPOT_τ = step / n_τ / (1 − λ·prefill)`` (joiners' prefills stall the batch);
+  ``TTFT_τ = wait + step + prefill_τ`` where ``wait`` drains the queue ahead
+  at the candidate's request rate and ``prefill_τ`` is learned (EWMA of measured p50 TTFT minus the
+  predicted wait and step, starting from the model's prefill of ``prompt_tokens``);
+* distortion ``d_τ`` from the model at (T_τ, k_τ) times an online correction (measured / modelled).
+
+**Outer loop on attainment**: predictions are means; a tier's targets are met when ``m_τ · TPOT_τ <=
+tpot target`` and ``m_τ · TTFT_τ <= ttft target``. The margin ``m_τ`` rises when a window's measured
+attainment falls below the tier's target (``percentile / 100``) and decays slowly while it is above:
+``m ← m · exp(g · (target − attainment))`` with ``g = margin_gain_up`` or ``margin_gain_down``.
+
+**Evidence beats prediction**: a tier whose measured attainment (EWMA over pooled completions) is
+``short_enter`` below its target counts as not meeting, whatever the prediction says, so it is served
+at the fastest point within budget (the objective's "most attainment within budget") until it is back
+within ``short_exit`` of its target.
+
+**Choice** (the objective, with tier coupling): among candidates where every tier with traffic and a
+latency target is predicted to meet it and every tier is within budget (``budget_margin`` below it):
+least distortion of the tightest-budget tier first, then the next (so the loosest budget spends
+first), then the best-effort tiers' TPOT (tiers without a latency target still want speed), then
+least cost (step ms per output token). Where none is feasible: within budget, the most traffic share
+predicted to meet its targets, then the smallest share-weighted violation, then the best-effort TPOT,
+then the least cost (which lets the loose tiers spend budget on capacity), then least distortion. Tiers without traffic get their least-distortion T and the k of the busiest
+tier (they must not widen the batch's draft).
+
+The policy never reads a clock; time and every measurement come in the :class:`Telemetry`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.decision import Decision
+from policies.slo import SLOSpec, TierSLO, tiers_by_budget
+from policies.telemetry import Telemetry
+
+MODELS_DIR = Path(__file__).parent / "models"
+#: The operating model of the default pair (SmolLM2-135M → int8 copy), converted from the calibrated
+#: profile sim/profiles/smollm2-135m.json; what a live controller without a profile of its own uses.
+DEFAULT_MODEL_PATH = MODELS_DIR / "smollm2-135m.json"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatingPoint:
+    """At (T, k): mean tokens emitted per sequence per step (1 + accepted drafts) and mean distortion."""
+
+    threshold: float
+    k: int
+    tokens_per_step: float
+    mean_distortion: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.threshold) and self.threshold >= 0):
+            raise ValueError(f"threshold must be finite and >= 0, got {self.threshold}")
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+        if not (math.isfinite(self.tokens_per_step) and 1.0 <= self.tokens_per_step <= self.k + 1 + 1e-9):
+            raise ValueError(f"tokens_per_step must be in [1, k + 1], got {self.tokens_per_step} at k={self.k}")
+        if not (math.isfinite(self.mean_distortion) and self.mean_distortion >= 0):
+            raise ValueError(f"mean_distortion must be finite and >= 0, got {self.mean_distortion}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Step time in ms over B rows (the simulator's model; see sim/profile.py):
+
+    * all rows at k = 0: ``plain_fixed_ms + plain_per_seq_ms · B``;
+    * otherwise ``k_max · (draft_fixed_ms) + verify_fixed_ms + Σ_rows (verify_per_seq_ms +
+      verify_per_token_ms · k_r + [k_r > 0] · k_max · draft_per_seq_ms)``.
+    """
+
+    draft_fixed_ms: float
+    draft_per_seq_ms: float
+    verify_fixed_ms: float
+    verify_per_seq_ms: float
+    verify_per_token_ms: float
+    plain_fixed_ms: float
+    plain_per_seq_ms: float
+    prefill_fixed_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class OperatingModel:
+    """Operating points over (T, k) (k = 0 included) for one divergence, and the step cost."""
+
+    points: tuple[OperatingPoint, ...]
+    cost: StepCost
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not any(p.k == 0 for p in self.points):
+            raise ValueError("points: the model needs a k = 0 point (plain decoding)")
+        if any(p.k == 0 and (p.tokens_per_step != 1.0 or p.mean_distortion != 0.0) for p in self.points):
+            raise ValueError("points: k = 0 emits one token per step without distortion")
+
+    @property
+    def draft_lengths(self) -> list[int]:
+        return sorted({p.k for p in self.points})
+
+    def curve(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(T, tokens per step, distortion) at draft length ``k``, sorted by T."""
+        pts = sorted((p for p in self.points if p.k == k), key=lambda p: p.threshold)
+        if not pts:
+            raise ValueError(f"k={k} is not in the model; known: {self.draft_lengths}")
+        return (
+            np.array([p.threshold for p in pts]),
+            np.array([p.tokens_per_step for p in pts]),
+            np.array([p.mean_distortion for p in pts]),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "cost": asdict(self.cost), "points": [asdict(p) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OperatingModel:
+        try:
+            return cls(
+                points=tuple(OperatingPoint(**p) for p in data["points"]),
+                cost=StepCost(**data["cost"]),
+                source=str(data.get("source", "")),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"operating model: malformed ({exc})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> OperatingModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"operating model file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"operating model file {str(path)!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _ewma(old: float, new: float, alpha: float) -> float:
+    if not math.isfinite(new):
+        return old
+    return new if not math.isfinite(old) else alpha * new + (1.0 - alpha) * old
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    """Per tier: candidate (T, k) with modelled tokens per step and distortion."""
+
+    thresholds: np.ndarray  # [n]
+    ks: np.ndarray  # [n] int
+    tokens: np.ndarray  # [n]
+    distortion: np.ndarray  # [n]
+
+
+class ModelPredictivePolicy:
+    """See the module docstring. Parameters:
+
+    * ``model`` — the :class:`OperatingModel` (None ⇒ the shipped default pair's, ``DEFAULT_MODEL_PATH``).
+    * ``max_batch`` — sequences per replica batch (the data plane's limit; for the Little's-law batch).
+    * ``prompt_tokens`` — typical prompt length for the initial prefill estimate (corrected online).
+    * ``initial_margin``, ``margin_gain_up``, ``margin_gain_down``, ``margin_limits`` — the outer loop.
+    * ``budget_margin`` — plan to at most ``(1 − budget_margin) · budget`` (the QualityGuard is the hard stop).
+    * ``alpha`` — EWMA weight of the newest window in the model corrections and tier shares.
+    * ``rate_decay`` — per-window decay of the sums behind the arrival rate and mean output length.
+    * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
+    * ``batch_z`` — plan for the batch's upper quantile ``B̄ + z·sqrt(B̄)`` (Poisson occupancy).
+    * ``short_enter`` / ``short_exit`` — a tier whose measured attainment (EWMA over pooled samples)
+      falls ``short_enter`` below its target is planned as short — the fastest point within budget,
+      whatever the prediction says — until it is back within ``short_exit`` of it.
+    * ``t_grid`` — extra T values considered per k besides the model's own points.
+    """
+
+    name = "mpc"
+
+    def __init__(
+        self,
+        slo: SLOSpec,
+        model: OperatingModel | None = None,
+        max_batch: int = 8,
+        prompt_tokens: float = 200.0,
+        initial_margin: float = 1.3,
+        margin_gain_up: float = 0.6,
+        margin_gain_down: float = 0.1,
+        margin_limits: tuple[float, float] = (1.0, 4.0),
+        budget_margin: float = 0.1,
+        alpha: float = 0.3,
+        rate_decay: float = 0.97,
+        min_samples: int = 5,
+        batch_z: float = 1.65,
+        short_enter: float = 0.05,
+        short_exit: float = 0.02,
+        t_grid: Sequence[float] = (),
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        low, high = margin_limits
+        if not (1.0 <= low <= initial_margin <= high and math.isfinite(high)):
+            raise ValueError(f"margin_limits {margin_limits} must hold initial_margin {initial_margin}, low >= 1")
+        for label, value in (("margin_gain_up", margin_gain_up), ("margin_gain_down", margin_gain_down),
+                             ("prompt_tokens", prompt_tokens)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{label} must be finite and >= 0, got {value}")
+        if not (0 <= budget_margin < 1):
+            raise ValueError(f"budget_margin must be in [0, 1), got {budget_margin}")
+        if not (0 < alpha <= 1):
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not (0 <= rate_decay < 1):
+            raise ValueError(f"rate_decay must be in [0, 1), got {rate_decay}")
+        self.rate_decay = rate_decay
+        if not (math.isfinite(batch_z) and batch_z >= 0):
+            raise ValueError(f"batch_z must be finite and >= 0, got {batch_z}")
+        self.batch_z = batch_z
+        if not (0 <= short_exit <= short_enter <= 1):
+            raise ValueError(f"need 0 <= short_exit <= short_enter <= 1, got {short_exit}, {short_enter}")
+        self.short_enter, self.short_exit = short_enter, short_exit
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        self.slo = slo
+        self.model = model if model is not None else OperatingModel.load(DEFAULT_MODEL_PATH)
+        self.max_batch, self.prompt_tokens = max_batch, prompt_tokens
+        self.initial_margin, self.margin_limits = initial_margin, (low, high)
+        self.margin_gain_up, self.margin_gain_down = margin_gain_up, margin_gain_down
+        self.budget_margin, self.alpha, self.min_samples = budget_margin, alpha, min_samples
+        self.t_grid = tuple(float(t) for t in t_grid)
+        self.tier_names = list(slo.tiers)
+        self._candidates = {name: self._tier_candidates(slo.tiers[name]) for name in self.tier_names}
+        self._joint_cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        # Tightest budget first: its distortion is minimised first, so the loosest spends first.
+        self._distortion_order = [self.tier_names.index(n) for n in reversed(tiers_by_budget(slo))]
+        self.reset()
+
+    # ------------------------------------------------------------------ model
+
+    def _tier_candidates(self, tier: TierSLO) -> _Candidates:
+        ts: list[float] = []
+        ks: list[int] = []
+        tokens: list[float] = []
+        distortion: list[float] = []
+        lo, hi = (tier.fixed_threshold, tier.fixed_threshold) if tier.fixed_threshold is not None else (
+            tier.min_threshold, tier.max_threshold)
+        for k in self.model.draft_lengths:
+            grid_t, grid_n, grid_d = self.model.curve(k)
+            if k == 0:
+                values = [lo]
+            else:
+                inside = [float(t) for t in grid_t if lo <= t <= hi] + [t for t in self.t_grid if lo <= t <= hi]
+                values = sorted({lo, hi, *inside})
+            for t in values:
+                ts.append(t)
+                ks.append(k)
+                tokens.append(float(np.interp(t, grid_t, grid_n)))
+                distortion.append(float(np.interp(t, grid_t, grid_d)))
+        return _Candidates(np.array(ts), np.array(ks, dtype=np.int64), np.array(tokens), np.array(distortion))
+
+    def _joint(self, act_idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(k, T, modelled tokens, modelled distortion), each [candidates, tiers], for every joint
+        choice over the active tiers (inactive columns: k 0, T 0, 1 token, no distortion)."""
+        cached = self._joint_cache.get(act_idx)
+        if cached is not None:
+            return cached
+        n_t = len(self.tier_names)
+        cands = [self._candidates[self.tier_names[i]] for i in act_idx]
+        index = np.array(list(itertools.product(*[range(c.ks.size) for c in cands])), dtype=np.int64)
+        n = index.shape[0]
+        ks = np.zeros((n, n_t), dtype=np.int64)
+        thresholds = np.zeros((n, n_t))
+        tokens = np.ones((n, n_t))
+        distortion = np.zeros((n, n_t))
+        for col, (i, c) in enumerate(zip(act_idx, cands, strict=True)):
+            sel = index[:, col]
+            ks[:, i] = c.ks[sel]
+            thresholds[:, i] = c.thresholds[sel]
+            tokens[:, i] = c.tokens[sel]
+            distortion[:, i] = c.distortion[sel]
+        self._joint_cache[act_idx] = (ks, thresholds, tokens, distortion)
+        return ks, thresholds, tokens, distortion
+
+    def reset(self) -> None:
+        n = len(self.tier_names)
+        self.margin = {name: self.initial_margin for name in self.tier_names}
+        self.tokens_correction = np.ones(n)
+        self.distortion_correction = np.ones(n)
+        self.step_correction = 1.0
+        cost = self.model.cost
+        self.prefill_ms = {
+            name: cost.prefill_fixed_ms + cost.prefill_ms_per_token * self.prompt_tokens for name in self.tier_names
+        }
+        self.shares = np.full(n, math.nan)
+        self.arrival_rate = math.nan  # per replica, req/s
+        self.mean_output_tokens = math.nan
+        self._arrivals_sum = self._time_sum = self._tokens_sum = self._completions_sum = 0.0
+        self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
+        self.measured_attainment = {name: math.nan for name in self.tier_names}
+        self.short = {name: False for name in self.tier_names}
+        self.current: dict[str, tuple[float, int]] = {}
+        self._best_effort: dict[str, bool] = {}
+        self._last_configs: dict[str, tuple[float, int | None]] = {}
+        self.last_decision: Decision | None = None
+        self.last_prediction: dict[str, dict[str, float]] = {}
+        self._last_time_s: float | None = None
+
+    def _step_ms(self, ks: np.ndarray, shares: np.ndarray, batch: float | np.ndarray) -> np.ndarray:
+        """Modelled step ms for candidate rows ``ks`` [N, n_tiers] with tier shares [n_tiers]."""
+        c = self.model.cost
+        active = shares > 0
+        k_max = np.where(active, ks, 0).max(axis=1)
+        per_row = c.verify_per_seq_ms + c.verify_per_token_ms * ks + (ks > 0) * (k_max[:, None] * c.draft_per_seq_ms)
+        mixed_fixed = k_max * c.draft_fixed_ms + c.verify_fixed_ms
+        per_seq = (per_row * shares).sum(axis=1)
+        plain = k_max == 0
+        fixed = np.where(plain, c.plain_fixed_ms, mixed_fixed)
+        per_seq = np.where(plain, c.plain_per_seq_ms, per_seq)
+        return np.asarray(fixed + per_seq * batch, dtype=float)
+
+    # ------------------------------------------------------------------ online estimates
+
+    def _observe(self, telemetry: Telemetry) -> None:
+        a = self.alpha
+        replicas = max(1, telemetry.replicas)
+        # Rates as ratios of exponentially decayed sums (memory ~1/(1 − decay) windows): a per-window
+        # ratio at a few requests per window is mostly noise.
+        d = self.rate_decay
+        self._arrivals_sum = d * self._arrivals_sum + telemetry.arrivals / replicas
+        self._time_sum = d * self._time_sum + telemetry.window_s
+        self.arrival_rate = self._arrivals_sum / self._time_sum
+        self._tokens_sum = d * self._tokens_sum + telemetry.output_tokens
+        self._completions_sum = d * self._completions_sum + telemetry.completions
+        if self._completions_sum >= 1.0:
+            self.mean_output_tokens = self._tokens_sum / self._completions_sum
+        weights = np.array([
+            float(w.sequence_iterations) if (w := telemetry.tiers.get(n)) is not None else 0.0
+            for n in self.tier_names
+        ])
+        if weights.sum() <= 0:
+            weights = np.array([
+                float(w.completions) if (w := telemetry.tiers.get(n)) is not None else 0.0 for n in self.tier_names
+            ])
+        if weights.sum() > 0:
+            new = weights / weights.sum()
+            self.shares = new if np.isnan(self.shares).any() else a * new + (1 - a) * self.shares
+
+        # Corrections against what the model says about the (T, k) in force during the window.
+        configs = {n: (w.threshold, w.draft_length) for n, w in telemetry.tiers.items()}
+        steady = {n: self._last_configs.get(n) == c for n, c in configs.items()}
+        self._last_configs = configs
+        ks_now = np.array([[
+            w.draft_length if (w := telemetry.tiers.get(n)) is not None and w.draft_length is not None
+            else self.current.get(n, (0.0, 0))[1]
+            for n in self.tier_names
+        ]])
+        if (self.current and steady and all(steady.values()) and math.isfinite(telemetry.mean_iteration_ms)
+                and math.isfinite(telemetry.mean_batch_size)):
+            shares = self.shares if not np.isnan(self.shares).any() else np.full(len(self.tier_names), 1.0)
+            modelled = float(self._step_ms(ks_now, shares, telemetry.mean_batch_size)[0])
+            if modelled > 0:
+                ratio = min(max(telemetry.mean_iteration_ms / modelled, 0.3), 3.0)
+                self.step_correction = _ewma(self.step_correction, ratio, a)
+        for i, name in enumerate(self.tier_names):
+            window = telemetry.tiers.get(name)
+            if window is None:
+                continue
+            self._update_margin(name, window.slo_met, window.completions)
+            if name not in self.current:
+                continue
+            # Compare with the model at the (T, k) the tier actually ran at (the guards, the quality
+            # cap above all, may have lowered the T this policy asked for), and only over windows
+            # that ran one (T, k) throughout: a step spans a good part of a window, so a window right
+            # after a change mixes both and would bias the correction toward the old point.
+            t = window.threshold
+            k = window.draft_length if window.draft_length is not None else self.current[name][1]
+            if k not in self.model.draft_lengths or not steady.get(name, False):
+                continue
+            if k > 0 and window.sequence_iterations >= 20:
+                grid_t, grid_n, grid_d = self.model.curve(k)
+                modelled_accepted = float(np.interp(t, grid_t, grid_n)) - 1.0
+                if modelled_accepted > 0.05:  # correct accepted drafts per step, measured / modelled
+                    ratio = min(max((window.tokens_per_iteration - 1.0) / modelled_accepted, 0.3), 3.0)
+                    self.tokens_correction[i] = _ewma(float(self.tokens_correction[i]), ratio, a)
+                modelled_d = float(np.interp(t, grid_t, grid_d))
+                if modelled_d > 1e-3 and window.output_tokens >= 200:
+                    ratio = min(max(window.mean_distortion / modelled_d, 0.25), 4.0)
+                    self.distortion_correction[i] = _ewma(float(self.distortion_correction[i]), ratio, a)
+            prediction = self.last_prediction.get(name)
+            if prediction is not None and window.ttft.count > 0 and math.isfinite(window.ttft.p50_ms):
+                residual = window.ttft.p50_ms - prediction["wait_ms"] - prediction["step_ms"]
+                self.prefill_ms[name] = _ewma(self.prefill_ms[name], max(residual, 0.0), a)
+
+    def _update_margin(self, name: str, slo_met: int, completions: int) -> None:
+        """The outer loop: pool completions until ``min_samples``, then move the tier's margin."""
+        tier = self.slo.tiers[name]
+        if not tier.has_latency_target:
+            return
+        met, done = self._pending_attainment[name]
+        met, done = met + slo_met, done + completions
+        if done >= self.min_samples:
+            attained = met / done
+            old = self.measured_attainment[name]
+            self.measured_attainment[name] = attained if math.isnan(old) else 0.3 * attained + 0.7 * old
+            # Evidence beats prediction: a tier measured well short of its target is planned as short
+            # (fastest within budget: the most attainment), until it recovers (hysteresis).
+            if self.measured_attainment[name] < tier.attainment_target - self.short_enter:
+                self.short[name] = True
+            elif self.measured_attainment[name] > tier.attainment_target - self.short_exit:
+                self.short[name] = False
+            gap = tier.attainment_target - attained
+            gain = self.margin_gain_up if gap > 0 else self.margin_gain_down
+            if gap > 0 and self._best_effort.get(name, False):
+                gain = 0.0  # anti-windup: already at the fastest point within budget
+            low, high = self.margin_limits
+            self.margin[name] = min(max(self.margin[name] * math.exp(gain * gap), low), high)
+            met, done = 0, 0
+        self._pending_attainment[name] = (met, done)
+
+    # ------------------------------------------------------------------ decision
+
+    def decide(self, telemetry: Telemetry) -> Decision:
+        if self._last_time_s is not None and telemetry.time_s <= self._last_time_s and self.last_decision:
+            return self.last_decision
+        self._last_time_s = telemetry.time_s
+        self._observe(telemetry)
+        n_t = len(self.tier_names)
+        shares = self.shares.copy()
+        if np.isnan(shares).any():  # no traffic seen yet: plan for the default tier alone
+            shares = np.zeros(n_t)
+            shares[self.tier_names.index(self.slo.default_tier)] = 1.0
+        active = shares >= 0.02
+        shares = np.where(active, shares, 0.0)
+        shares /= shares.sum()
+        act_idx = [i for i in range(n_t) if active[i]]
+
+        # Joint candidates over the active tiers (the table is cached per set of active tiers).
+        ks, thresholds, base_tokens, base_distortion = self._joint(tuple(act_idx))
+        n = ks.shape[0]
+        tokens = np.minimum(1.0 + (base_tokens - 1.0) * self.tokens_correction, ks + 1.0)
+        distortion = base_distortion * self.distortion_correction
+
+        replicas = max(1, telemetry.replicas)
+        running_now = max(1.0, (telemetry.in_flight - telemetry.queue_depth) / replicas)
+        queue = telemetry.queue_depth / replicas
+        length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
+        lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
+        # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
+        f = self._step_ms(ks, shares, 0.0) * self.step_correction
+        p = self._step_ms(ks, shares, 1.0) * self.step_correction - f
+        mean_tokens = (tokens * shares).sum(axis=1)
+        # Little: B = λ·L·TPOT = λ·L·(f + p·B) / (1000·n̄)  ⇒  B = x·f / (1 − x·p), x = λL / (1000 n̄).
+        x = lam * length / (1000.0 * mean_tokens)
+        denom = 1.0 - x * p
+        with np.errstate(divide="ignore", invalid="ignore"):
+            little = np.where(denom > 0, x * f / denom, np.inf)
+        overloaded = little > self.max_batch
+        # A request lives through many steps while the batch fluctuates around its Little's-law mean
+        # (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), and never below now.
+        planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
+        batch = np.clip(np.maximum(planned, running_now), 1.0, float(self.max_batch))
+        step = f + p * batch
+        # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
+        # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
+        prefill_ms = float(np.mean([self.prefill_ms[self.tier_names[i]] for i in act_idx]))
+        stall = min(lam * prefill_ms / 1000.0, 0.9)
+        tpot = step[:, None] / tokens / (1.0 - stall)  # [n, n_t]
+        rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
+        wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
+        cost = step / (batch * mean_tokens)  # ms of replica time per output token
+
+        meets = np.ones((n, n_t), dtype=bool)
+        violation = np.zeros((n, n_t))
+        within = np.ones(n, dtype=bool)
+        for i in act_idx:
+            name = self.tier_names[i]
+            tier = self.slo.tiers[name]
+            m = self.margin[name]
+            if tier.tpot_ms is not None:
+                ratio = m * tpot[:, i] / tier.tpot_ms
+                meets[:, i] &= ratio <= 1.0
+                violation[:, i] += np.maximum(ratio - 1.0, 0.0)
+            if tier.ttft_ms is not None:
+                ttft = m * (wait + step) + self.prefill_ms[name]
+                ratio = np.minimum(ttft / tier.ttft_ms, 10.0)
+                meets[:, i] &= ratio <= 1.0
+                violation[:, i] += np.maximum(ratio - 1.0, 0.0)
+            if self.short[name]:
+                meets[:, i] = False
+            budget = tier.max_mean_distortion
+            if budget is not None:
+                within &= distortion[:, i] <= (1.0 - self.budget_margin) * budget + 1e-12
+        if not within.any():  # the correction says nothing fits: fall back to least distortion
+            within = distortion.sum(axis=1) <= distortion.sum(axis=1).min() + 1e-12
+        # Best-effort tiers (no latency target) still want speed: their share-weighted TPOT comes
+        # before cost, so a lossless tier is not parked at k = 0 inside a batch that drafts anyway.
+        best_effort_tiers = [i for i in act_idx if not self.slo.tiers[self.tier_names[i]].has_latency_target]
+        best_effort_tpot = np.round((tpot[:, best_effort_tiers] * shares[best_effort_tiers]).sum(axis=1), 1)
+        all_meet = meets.all(axis=1) & within
+        distortion_keys = [np.round(distortion[:, i], 4) for i in self._distortion_order]
+        if all_meet.any():
+            pool = np.flatnonzero(all_meet)
+            keys = [cost[pool], best_effort_tpot[pool], *reversed([d[pool] for d in distortion_keys])]
+            mode = "meets"
+        else:
+            pool = np.flatnonzero(within)
+            met_share = (meets[pool] * shares).sum(axis=1)
+            weighted_violation = (violation[pool] * shares).sum(axis=1)
+            # Most traffic meeting its targets, then the smallest violation, then the fastest (the
+            # cost order lets the loose tiers spend their budget on capacity), then least distortion.
+            keys = [*reversed([d[pool] for d in distortion_keys]), np.round(cost[pool], 2), best_effort_tpot[pool],
+                    np.round(weighted_violation, 2), -np.round(met_share, 3)]
+            mode = "best effort"
+        best = int(pool[np.lexsort(keys)[0]])
+        self._best_effort = {
+            name: bool(active[i] and not meets[best, i]) for i, name in enumerate(self.tier_names)
+        }
+
+        busiest = int(np.argmax(shares))
+        chosen_t: dict[str, float] = {}
+        chosen_k: dict[str, int] = {}
+        self.last_prediction = {}
+        for i, name in enumerate(self.tier_names):
+            tier = self.slo.tiers[name]
+            if active[i]:
+                chosen_t[name] = float(thresholds[best, i])
+                chosen_k[name] = int(ks[best, i])
+                self.last_prediction[name] = {
+                    "tpot_ms": float(tpot[best, i]), "wait_ms": float(wait[best]), "step_ms": float(step[best]),
+                    "margin": self.margin[name], "distortion": float(distortion[best, i]),
+                }
+            else:
+                chosen_t[name] = tier.clamp(tier.min_threshold)
+                chosen_k[name] = int(ks[best, busiest])
+        self.current = {name: (chosen_t[name], chosen_k[name]) for name in self.tier_names}
+        parts = [
+            f"{name}: T={chosen_t[name]:.3g} k={chosen_k[name]} (m={self.margin[name]:.2f})"
+            for name in self.tier_names if active[self.tier_names.index(name)]
+        ]
+        reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
+                  f"queue {queue:.2g}/replica; " + "; ".join(parts))
+        self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, reason=reason)
+        return self.last_decision
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "model": self.model.source,
+            "max_batch": self.max_batch,
+            "prompt_tokens": self.prompt_tokens,
+            "initial_margin": self.initial_margin,
+            "margin_gain_up": self.margin_gain_up,
+            "margin_gain_down": self.margin_gain_down,
+            "margin_limits": list(self.margin_limits),
+            "budget_margin": self.budget_margin,
+            "alpha": self.alpha,
+            "rate_decay": self.rate_decay,
+            "min_samples": self.min_samples,
+            "batch_z": self.batch_z,
+            "short_enter": self.short_enter,
+            "short_exit": self.short_exit,
+            "t_grid": list(self.t_grid),
+        }
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"ModelPredictivePolicy({inner})"

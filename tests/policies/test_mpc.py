@@ -1,0 +1,128 @@
+"""The model-predictive SLO policy against synthetic telemetry: load response, k = 0 when speculation
+does not pay, the attainment outer loop (with anti-windup), tier coupling, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost
+from policies.slo import SLOSpec, TierSLO
+from policies.telemetry import Telemetry
+from tests.policies.builders import make_slo, make_telemetry, make_tier_window
+
+
+def toy_model(draft_fixed_ms: float = 9.0, draft_per_seq_ms: float = 2.0) -> OperatingModel:
+    """Handmade-like: acceptance α(T) rising with T, distortion 0.08·T, k ∈ {0, 2, 4}."""
+    points = [OperatingPoint(0.0, 0, 1.0, 0.0)]
+    for k in (2, 4):
+        for t in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0):
+            alpha = 0.98 - 0.24 * math.exp(-t / 0.68)
+            points.append(OperatingPoint(t, k, sum(alpha**i for i in range(k + 1)), 0.08 * t))
+    cost = StepCost(draft_fixed_ms, draft_per_seq_ms, 33.0, 8.0, 5.5, 33.0, 8.0, 0.0, 2.0)
+    return OperatingModel(tuple(points), cost, source="toy")
+
+
+def window(name: str, completions: int = 10, slo_met: int | None = None, k: int = 2, **kw: object) -> dict[str, object]:
+    return {name: make_tier_window(completions=completions, slo_met=completions if slo_met is None else slo_met,
+                                   draft_length=k, sequence_iterations=0, **kw)}
+
+
+def load(in_flight: int, queue: int = 0, arrivals: int = 1, time_s: float = 1.0, **kw: object) -> Telemetry:
+    tiers = {**window("standard"), **window("economy")}
+    return make_telemetry(time_s=time_s, in_flight=in_flight, queue_depth=queue, arrivals=arrivals, replicas=1,
+                          tiers=kw.pop("tiers", tiers), **kw)
+
+
+def test_model_roundtrips_and_rejects_a_model_without_plain_decoding(tmp_path: object) -> None:
+    model = toy_model()
+    assert OperatingModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ValueError, match="k = 0"):
+        OperatingModel((OperatingPoint(0.0, 2, 2.0, 0.0),), model.cost)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        OperatingPoint(0.0, 2, 3.5, 0.0)
+
+
+def test_more_load_more_speed_and_idle_load_spends_no_distortion() -> None:
+    slo = make_slo()
+    chosen = []
+    for in_flight, arrivals in ((1, 0), (4, 1), (8, 2), (8, 4)):
+        policy = ModelPredictivePolicy(slo, toy_model())
+        for tick in range(5):
+            decision = policy.decide(load(in_flight, arrivals=arrivals, time_s=float(tick + 1)))
+        chosen.append(decision.thresholds["standard"])
+    assert chosen[0] == 0.0, chosen
+    assert chosen == sorted(chosen) and chosen[-1] > 0.0, chosen
+
+
+def test_lossless_tier_runs_plain_decoding_when_speculation_does_not_pay() -> None:
+    slo = make_slo()
+    costly = ModelPredictivePolicy(slo, toy_model(draft_fixed_ms=60.0, draft_per_seq_ms=20.0))
+    tiers = {**window("lossless", k=0), **window("standard"), **window("economy")}
+    decision = costly.decide(load(2, tiers=tiers))
+    assert decision.draft_lengths["lossless"] == 0
+    assert decision.thresholds["lossless"] == 0.0
+    cheap = ModelPredictivePolicy(slo, toy_model())
+    assert cheap.decide(load(2, tiers=tiers)).draft_lengths["lossless"] > 0
+
+
+def test_margin_rises_on_missed_attainment_and_decays_slowly_when_met() -> None:
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, toy_model(), min_samples=5)
+    start = policy.margin["standard"]
+    for tick in range(3):
+        tiers = {**window("standard", completions=10, slo_met=6), **window("economy")}
+        policy.decide(load(2, arrivals=0, tiers=tiers, time_s=float(tick + 1)))
+    raised = policy.margin["standard"]
+    assert raised > start * 1.2, (start, raised)
+    for tick in range(3, 6):
+        policy.decide(load(2, arrivals=0, time_s=float(tick + 1)))
+    assert raised * 0.95 < policy.margin["standard"] < raised
+
+
+def test_margin_does_not_wind_up_while_already_at_the_fastest_point() -> None:
+    # Queue far beyond capacity: nothing is predicted to meet the targets (best effort), so a missed
+    # attainment must not keep raising the margin.
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, toy_model(), min_samples=5)
+    margins = []
+    for tick in range(10):
+        tiers = {**window("standard", completions=10, slo_met=2), **window("economy")}
+        decision = policy.decide(load(8, queue=200, arrivals=20, tiers=tiers, time_s=float(tick + 1)))
+        assert "best effort" in decision.reason, f"tick {tick}"
+        margins.append(policy.margin["standard"])
+    # The first window moves it (the policy did not yet know it was at its fastest), no later one.
+    assert margins[1:] == [margins[0]] * 9
+
+
+def test_loosest_budget_spends_distortion_first() -> None:
+    # Two tiers with the same latency targets and the same traffic; only their budgets differ.
+    tier = {"ttft_ms": 1e6, "tpot_ms": 50.0, "max_threshold": 4.0}
+    slo = SLOSpec(tiers={"tight": TierSLO(max_mean_distortion=0.1, **tier),
+                         "loose": TierSLO(max_mean_distortion=0.3, **tier)}, default_tier="tight")
+    tiers = {**window("tight"), **window("loose")}
+    for in_flight in (2, 4, 6):  # from meeting both targets to short of capacity
+        decision = ModelPredictivePolicy(slo, toy_model()).decide(load(in_flight, arrivals=0, tiers=tiers))
+        t = decision.thresholds
+        assert t["loose"] >= t["tight"], f"batch {in_flight}: {decision.reason}"
+        assert 0.08 * t["tight"] <= 0.1 and 0.08 * t["loose"] <= 0.3, f"batch {in_flight}: over budget"
+    assert t["loose"] > 0.0
+
+
+def test_deterministic_and_reset_replays() -> None:
+    slo = make_slo()
+    seq = [load(1 + (i % 7), queue=i % 3, arrivals=i % 4, time_s=float(i + 1)) for i in range(30)]
+    a = ModelPredictivePolicy(slo, toy_model())
+    b = ModelPredictivePolicy(slo, toy_model())
+    first = [a.decide(t) for t in seq]
+    assert first == [b.decide(t) for t in seq]
+    a.reset()
+    assert first == [a.decide(t) for t in seq]
+
+
+def test_bad_parameters_raise_naming_them() -> None:
+    with pytest.raises(ValueError, match="max_batch"):
+        ModelPredictivePolicy(make_slo(), toy_model(), max_batch=0)
+    with pytest.raises(ValueError, match="budget_margin"):
+        ModelPredictivePolicy(make_slo(), toy_model(), budget_margin=1.0)

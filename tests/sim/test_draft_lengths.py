@@ -1,0 +1,127 @@
+"""Per-tier draft length k in the simulator: k = 0 is plain decoding, mixed-k batches, and per-window
+token accounting (conservation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.decision import Decision
+from policies.slo import SLOSpec, TierSLO
+from policies.static import StaticPolicy
+from policies.telemetry import Telemetry
+from sim.profile import Profile
+from sim.workload import Requests
+from tests.sim.conftest import handmade_profile, make_workload, run_sim
+
+TWO_TIERS = SLOSpec(
+    tiers={
+        "lossless": TierSLO(fixed_threshold=0.0, max_threshold=0.0),
+        "standard": TierSLO(tpot_ms=1e9, max_mean_distortion=1.0, max_threshold=1.0),
+    },
+    default_tier="standard",
+)
+
+
+class Recorder:
+    """Wraps a policy and keeps every telemetry window it was shown."""
+
+    def __init__(self, inner: StaticPolicy) -> None:
+        self.inner = inner
+        self.windows: list[Telemetry] = []
+
+    def decide(self, telemetry: Telemetry) -> Decision:
+        self.windows.append(telemetry)
+        return self.inner.decide(telemetry)
+
+    def reset(self) -> None:
+        self.windows = []
+
+
+def test_profile_models_k0_as_plain_decoding() -> None:
+    p = handmade_profile()
+    assert p.available_draft_lengths("kl") == [0, *p.draft_lengths("kl")]
+    assert p.expected_tokens_per_iter("kl", 1.0, 0) == 1.0
+    assert p.mean_distortion("kl", 1.0, 0) == 0.0
+    lat = p.latency
+    assert float(lat.iteration_ms(3, 0)) == pytest.approx(lat.verify_a_ms + 3 * lat.verify_b_ms)
+    assert p.plain_decoding_source.startswith("derived")
+    measured = Profile.model_validate(
+        {**p.model_dump(), "latency": {**lat.model_dump(), "plain_step_a_ms": 20.0, "plain_step_b_ms": 1.0}}
+    )
+    assert float(measured.latency.iteration_ms(3, 0)) == pytest.approx(23.0)
+    assert measured.plain_decoding_source == "measured"
+
+
+def test_mixed_step_model_reduces_to_the_uniform_one() -> None:
+    lat = handmade_profile().latency
+    for k in (0, 2, 4):
+        fixed, per_row = lat.mixed_coeffs(np.full(5, k))
+        a, b = lat.iteration_coeffs(k)
+        assert fixed + per_row.sum() == pytest.approx(a + 5 * b), f"k={k}"
+    # One row drafting 4, one plain: 4 draft steps over one row, verify widths 5 and 1.
+    fixed, per_row = lat.mixed_coeffs(np.array([4, 0]))
+    expected = (4 * (lat.draft_a_ms + lat.draft_b_ms) + lat.verify_a_ms + 2 * lat.verify_b_ms
+                + 4 * lat.verify_c_ms)
+    assert fixed + per_row.sum() == pytest.approx(expected)
+
+
+def test_k0_tier_emits_one_token_per_step_at_the_plain_step_time_without_distortion() -> None:
+    profile = handmade_profile()
+    w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.02},
+                      prompt_tokens={"kind": "fixed", "value": 50}, output_tokens={"kind": "fixed", "value": 40},
+                      tier_mix={"standard": 1.0})
+    res = run_sim(w, StaticPolicy(TWO_TIERS, 1.0, draft_lengths=0), slo=TWO_TIERS, profile=profile,
+                  replicas=1, seed=2)
+    rec = res.records
+    alone = rec["start_s"] == rec["arrival_s"]
+    assert alone.sum() >= 5
+    tpot_ms = ((rec["completion_s"] - rec["first_token_s"]) / 39 * 1000)[alone]
+    # Requests alone on the replica: one token per plain step at batch 1, even at T = 1.
+    assert np.allclose(tpot_ms, float(profile.latency.iteration_ms(1, 0)), rtol=1e-9)
+    assert res.summary["mean_distortion"] == 0.0
+
+
+def test_mixed_batch_steps_at_the_mixed_model_time_and_each_tier_keeps_its_k() -> None:
+    profile = handmade_profile()
+    # One request per tier, arriving together, long outputs: both decode side by side.
+    w = Requests(arrival_s=np.array([0.1, 0.1]), prompt_tokens=np.array([10, 10]),
+                 output_tokens=np.array([400, 400]), tier=np.array([0, 1], dtype=np.int16),
+                 tier_names=("lossless", "standard"))
+    policy = Recorder(StaticPolicy(TWO_TIERS, 1.0, draft_lengths={"lossless": 0, "standard": 4}))
+    run_sim(w, policy, slo=TWO_TIERS, profile=profile, replicas=1, max_batch=8, seed=0, control_interval_s=1.0)
+    fixed, per_row = profile.latency.mixed_coeffs(np.array([0, 4]))
+    both = [t for t in policy.windows if t.mean_batch_size == pytest.approx(2.0)]
+    assert len(both) >= 3
+    for t in both:
+        assert t.mean_iteration_ms == pytest.approx(fixed + per_row.sum())
+        assert t.tiers["lossless"].tokens_per_iteration == pytest.approx(1.0)
+        assert t.tiers["standard"].tokens_per_iteration > 1.5
+        assert t.tiers["lossless"].draft_length == 0 and t.tiers["standard"].draft_length == 4
+        assert t.tiers["lossless"].mean_distortion == 0.0
+
+
+def test_window_token_accounting_is_conserved() -> None:
+    """Σ over windows of the tokens the telemetry reports = tokens the requests received, per tier and
+    overall; in every window tokens = sequence-steps + accepted drafts, and tier sums add up."""
+    slo = SLOSpec.default()
+    w = make_workload(duration_s=200.0, arrivals={"kind": "poisson", "rate": 3.0},
+                      output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.5, "max": 300},
+                      tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
+    policy = Recorder(StaticPolicy(slo, {"standard": 0.5, "economy": 2.0},
+                                   draft_lengths={"lossless": 0, "standard": 4, "economy": 6}))
+    res = run_sim(w, policy, slo=slo, replicas=2, seed=4, drain_timeout_s=1000.0)
+    emitted = res.records["output_tokens"][~np.isnan(res.records["completion_s"])].sum()
+    assert res.summary["completed"] == res.summary["requests"] - res.summary["rejected"]
+    windows = policy.windows[1:]  # the first is the empty pre-traffic window
+    assert sum(t.output_tokens for t in windows) == emitted == res.summary["output_tokens"]
+    for i, name in enumerate(slo.tiers):
+        tier_emitted = res.records["output_tokens"][(res.records["tier"] == i)
+                                                    & ~np.isnan(res.records["completion_s"])].sum()
+        assert sum(t.tiers[name].output_tokens for t in windows) == tier_emitted, name
+    for j, t in enumerate(windows):
+        assert sum(tw.output_tokens for tw in t.tiers.values()) == t.output_tokens, f"window {j}"
+        if t.mean_batch_size == t.mean_batch_size:  # steps in the window
+            seq_iters = sum(tw.sequence_iterations for tw in t.tiers.values())
+            accepted = t.mean_accepted_per_iter * seq_iters
+            assert t.output_tokens == pytest.approx(seq_iters + accepted, abs=1e-6), f"window {j}"

@@ -186,10 +186,10 @@ class FSDIngress:
         if not hmac.compare_digest(token.strip().encode(), self._admin_token.encode()):
             raise HTTPError(403, "invalid admin token")
 
-    def _overloaded(self, message: str, count: bool = True) -> HTTPError:
-        if count:  # refused by Serve's queue before any replica saw it: tell the controller
+    def _overloaded(self, message: str, count: bool = True, tier: str | None = None) -> HTTPError:
+        if count:  # refused by Serve's queue before any replica saw it: tell the controller (an SLO miss)
             with _suppress_all():
-                self._controller.record_rejections.remote(1)
+                self._controller.record_rejections.remote(1, tier)
         return HTTPError(503, message, code="overloaded",
                          headers={"Retry-After": str(self._cfg.http.retry_after_s)})
 
@@ -207,8 +207,11 @@ class FSDIngress:
             raise HTTPError(502, "replica closed the stream without answering") from None
         except Exception as exc:
             if _is_backpressure(exc):
-                raise self._overloaded("server overloaded: request queue is full; retry later") from None
+                raise self._overloaded("server overloaded: request queue is full; retry later",
+                                       tier=payload.get("tier")) from None
             if _is_replica_failure(exc):
+                with _suppress_all():  # no replica answered: an SLO miss the replicas cannot count
+                    self._controller.record_rejections.remote(1, payload.get("tier"))
                 raise HTTPError(503, f"no replica available: {type(exc).__name__}",
                                 headers={"Retry-After": str(self._cfg.http.retry_after_s)}) from None
             logger.exception("replica call failed")
@@ -221,7 +224,7 @@ class FSDIngress:
         return _Stream(generator, first)
 
     def _payload(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                 prompt: Any, chat: bool) -> dict[str, Any]:
+                 prompt: Any, chat: bool, arrival_unix: float | None = None) -> dict[str, Any]:
         header_tier = request.headers.get("x-slo-tier")
         tier = body.fsd.tier if body.fsd is not None and body.fsd.tier is not None else header_tier
         threshold = body.fsd.threshold if body.fsd is not None else None
@@ -238,12 +241,14 @@ class FSDIngress:
             "ignore_eos": body.ignore_eos,
             "tier": tier or None,
             "threshold": threshold,
+            "arrival_unix": arrival_unix,  # latency counts from here: what the user sees
         }
 
     # ---- generation ------------------------------------------------------------------------------
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         started = time.monotonic()
+        arrival_unix = time.time()
         try:
             data = await self._json_object(request)
             try:
@@ -255,11 +260,13 @@ class FSDIngress:
             self._check_model(body.model)
             prompt: Any = body.message_dicts() if isinstance(body, ChatCompletionRequest) else body.prompt_text()
             # Plain completions are raw text continuation; chat goes through the chat template.
-            payload = self._payload(body, request, prompt, chat=chat)
+            payload = self._payload(body, request, prompt, chat=chat, arrival_unix=arrival_unix)
             timeout = self._cfg.http.request_timeout_s
             try:
                 stream = await asyncio.wait_for(self._start(payload), timeout)
             except TimeoutError:
+                with _suppress_all():  # no replica answered in time: an SLO miss of the request's tier
+                    self._controller.record_aborted.remote(1, payload.get("tier"))
                 raise HTTPError(504, f"request did not start within {timeout}s") from None
         except HTTPError as err:
             return err.response()

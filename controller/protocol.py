@@ -1,4 +1,10 @@
-"""What the ingress sends a replica, and the chunks a replica streams back.
+"""What crosses the Ray boundary: ingress → replica requests and chunks, replica ↔ controller reports.
+
+Control plane (see docs/controller.md): every replica pushes a :class:`ReplicaReport` batch to the
+controller on its own timer (``FSDController.report``) and applies the :class:`ThresholdPush` in the
+controller's :class:`ReportReply`. Reports carry *deltas* numbered per replica incarnation, and stay
+with the replica until the controller acknowledges their sequence number, so a report is never lost and
+never counted twice.
 
 Chunks are plain dicts (cheap to ship through Ray) with a ``type``:
 
@@ -13,9 +19,13 @@ Chunks are plain dicts (cheap to ship through Ray) with a ``type``:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from controller.batching import ReplicaCounters, RequestRecord
+from policies.slo import SLOSpec
 
 
 class RequestError(Exception):
@@ -51,6 +61,73 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     tier: str | None = None
     threshold: float | None = None
+    #: Wall-clock time (``time.time()``) the ingress received the request: latency is measured from
+    #: here, so time in the ingress and in Serve's queue counts, as users see it.
+    arrival_unix: float | None = Field(None, allow_inf_nan=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdPush:
+    """The controller's decision as replicas apply it. ``version`` grows with every change within one
+    controller ``epoch`` (a restarted controller is a new epoch); ``decided_unix`` lets a replica measure
+    how long the decision took to reach it."""
+
+    epoch: str
+    version: int
+    thresholds: dict[str, float]
+    draft_lengths: dict[str, int]
+    slo: SLOSpec
+    decided_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What a replica holds right now (not additive: the newest report wins)."""
+
+    replica_id: str
+    actor_name: str | None
+    node_id: str | None
+    pid: int
+    pair: str
+    uptime_s: float
+    queue_depth: int
+    in_flight: int
+    running: int
+    engine_alive: bool
+    engine_problem: str | None  # why check_health would fail (hung or repeatedly failing step), else None
+    thresholds: dict[str, float]  # effective T per tier (the safe T while in fail-safe)
+    controlled_thresholds: dict[str, float]  # the last T the controller pushed
+    draft_lengths: dict[str, int]
+    epoch: str | None
+    version: int
+    failsafe: bool
+    failsafe_events: int
+    last_update_age_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """One report: counter deltas and the requests finished since the previous report of this
+    ``incarnation`` (one replica process; ``seq`` counts 1, 2, … within it)."""
+
+    incarnation: str
+    seq: int
+    sent_unix: float
+    counters: ReplicaCounters  # deltas, not lifetime totals
+    records: tuple[RequestRecord, ...]
+    state: ReplicaState
+    #: Decision → applied latencies (ms) of the pushes applied since the previous report.
+    push_latencies_ms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReportReply:
+    """The controller's answer: the highest ``seq`` of this incarnation it has counted, and the decision
+    to apply (None until a restarted controller has resumed from what the replicas hold)."""
+
+    acked_seq: int
+    push: ThresholdPush | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 def fsd_summary(
@@ -89,3 +166,7 @@ def finite_or_none(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None
     return x
+
+
+#: Name of the controller deployment replicas report to (``controller.app`` deploys it under this name).
+CONTROLLER_DEPLOYMENT = "FSDController"

@@ -53,6 +53,16 @@ class TierWindow:
     e2e: LatencySummary = field(default_factory=LatencySummary)
     mean_distortion: float = 0.0
     output_tokens: int = 0
+    #: Requests of this tier that arrived, and that ended without an answer: refused (503) and
+    #: aborted / timed out / failed (504, client gone, engine error). Both count as SLO misses.
+    arrivals: int = 0
+    rejections: int = 0
+    aborted: int = 0
+
+    @property
+    def misses_unanswered(self) -> int:
+        """Requests of the tier that got no answer (rejected or aborted): misses for attainment."""
+        return self.rejections + self.aborted
 
     def latency(self, metric: LatencyMetric) -> LatencySummary:
         return {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[metric]

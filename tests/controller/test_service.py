@@ -388,7 +388,7 @@ def _replica_stats() -> list[dict[str, Any]]:
     from ray import serve
 
     handle = serve.get_deployment_handle("FSDReplica", APP)
-    return list(handle.broadcast("stats", drain=False).results(timeout_s=10))
+    return list(handle.broadcast("stats").results(timeout_s=10))
 
 
 def test_failsafe_when_controller_dies(client: httpx.Client) -> None:

@@ -267,6 +267,9 @@ class FSDController:
                              "version": source.version, "failsafe": source.failsafe,
                              "thresholds": dict(self._thresholds)}
         seeded = seed_policy(self._policy, self._slo, self._thresholds)
+        # The first window after resuming spans one interval, not the controller's whole start-up: a
+        # policy's rate limits then allow one interval's move from the resumed T.
+        self._last_tick = max(self._last_tick, now - self._interval)
         self._resumed["seeded_tiers"] = seeded
         self._decided_unix = time.time()
         logger.info("FSD controller resumed: %s", self._resumed)

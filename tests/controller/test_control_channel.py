@@ -75,14 +75,17 @@ def test_silent_replica_costs_only_its_own_report_and_is_counted_once_when_back(
             finished = await _complete(a, 2) + await _complete(b, 2)
             await _tick(clock, ctrl, a, b)
             assert ctrl.control_stats()["completions_counted"] == finished, "tick 1"
-            # b goes silent for five ticks (stopped, partitioned) while it keeps finishing requests.
+            # b goes silent for five ticks spanning 65 s — past forget_replica_after_s (60 s), so the
+            # controller forgets its state — while it keeps finishing requests.
             finished += await _complete(b, 3)
             for i in range(5):
                 finished += await _complete(a, 1)
+                clock.now += 12.0
                 await _tick(clock, ctrl, a)
                 window = ctrl._last_window
                 assert window is not None and window.reports == 1, f"silent tick {i}: a's report counted"
                 assert window.telemetry.completions == 1, f"silent tick {i}"
+            assert b._replica_id not in {r["replica_id"] for r in ctrl.status()["replicas"]}, "forgotten"
             # b's report reaches the controller but the reply is lost: b keeps it and re-sends it.
             reply_lost = False
 

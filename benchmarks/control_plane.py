@@ -34,7 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 async def _streams(url: str, n: int, body: dict[str, Any], headers: dict[str, str], until: float,
-                   outcomes: dict[str, int]) -> None:
+                   outcomes: dict[str, int], errors: dict[str, str]) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
 
         async def worker() -> None:
@@ -43,6 +43,9 @@ async def _streams(url: str, n: int, body: dict[str, Any], headers: dict[str, st
                     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                         text = (await r.aread()).decode(errors="replace")
                     key = "ok" if r.status_code == 200 and '"error"' not in text else f"status_{r.status_code}"
+                    if key != "ok":  # keep one message per kind: e.g. an SSE 504 after http.request_timeout_s
+                        marker = text.find('"error"')
+                        errors.setdefault(key, text[max(0, marker - 10): marker + 200])
                 except httpx.HTTPError as exc:
                     key = type(exc).__name__
                 outcomes[key] = outcomes.get(key, 0) + 1
@@ -75,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     body = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": args.max_tokens,
             "ignore_eos": True, "stream": True}
     outcomes: dict[str, int] = {}
+    errors: dict[str, str] = {}
     until = time.monotonic() + args.duration
     load = threading.Thread(target=lambda: asyncio.run(
-        _streams(url, args.streams, body, {"x-slo-tier": args.tier}, until, outcomes)))
+        _streams(url, args.streams, body, {"x-slo-tier": args.tier}, until, outcomes, errors)))
     polls: list[dict[str, Any]] = []
     try:
         load.start()
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "ticks": control["ticks"],
         "completions_counted": control["completions_counted"],
         "client_outcomes": outcomes,
+        "client_error_samples": errors,
+        "last_decision": final["last_decision"],
         "status_p99_ms": sorted(q["status_ms"] for q in polls if q["ok"])[int(0.99 * (len(ages) - 1))] if ages else None,
     }
     print(json.dumps(out, indent=2))

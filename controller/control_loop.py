@@ -16,9 +16,9 @@ Every ``control.interval_s`` seconds (``tick``, which awaits nothing):
 
 Bumpless restart: a (re)started controller decides nothing until the first reports arrive, then
 resumes from the T the replicas hold (the safe T of replicas already in fail-safe) and seeds the
-policy's state with it; only then does it answer reports with a decision. When nobody reports for
-``replica.stale_after_s`` it starts from the configured initial T. The policy's ``FailSafe`` still
-sees the telemetry age and wins when the telemetry is really stale.
+policy's state with it; only then does it answer reports with a decision (a fresh replica reports its
+configured initial T; with no replica there is nothing to steer). The policy's ``FailSafe`` still sees
+the telemetry age and wins when the telemetry is really stale.
 
 The policy sees time only through ``Telemetry.time_s`` (seconds since this controller started, on its
 monotonic clock). SLO and policy changes from the admin API are validated (the new policy is built
@@ -256,16 +256,15 @@ class FSDController:
         states = [state for _, state in self._aggregator.live_states(now)]
         source = held_thresholds(states)
         if source is None:
-            if now < self._cfg.replica.stale_after_s:
-                return False  # replicas report within an interval or two; wait for them
-            self._resumed = {"from": "config", "thresholds": dict(self._thresholds)}
-        else:
-            held = {n: t for n, t in source.thresholds.items() if n in self._slo.tiers}
-            self._thresholds = apply_decision(self._slo, self._thresholds, held)
-            self._draft_lengths.update({n: k for n, k in source.draft_lengths.items() if n in self._slo.tiers})
-            self._resumed = {"from": "replicas", "replica_id": source.replica_id, "epoch": source.epoch,
-                             "version": source.version, "failsafe": source.failsafe,
-                             "thresholds": dict(self._thresholds)}
+            # Nobody to steer yet (replicas still loading, or none): deciding on empty telemetry would
+            # only record fail-safe decisions. A fresh replica reports its configured initial T.
+            return False
+        held = {n: t for n, t in source.thresholds.items() if n in self._slo.tiers}
+        self._thresholds = apply_decision(self._slo, self._thresholds, held)
+        self._draft_lengths.update({n: k for n, k in source.draft_lengths.items() if n in self._slo.tiers})
+        self._resumed = {"from": "replicas", "replica_id": source.replica_id, "epoch": source.epoch,
+                         "version": source.version, "failsafe": source.failsafe,
+                         "thresholds": dict(self._thresholds)}
         seeded = seed_policy(self._policy, self._slo, self._thresholds)
         # The first window after resuming spans one interval, not the controller's whole start-up: a
         # policy's rate limits then allow one interval's move from the resumed T.

@@ -71,14 +71,14 @@ class _Job:
     prompt_ids: list[int]
     params: Any  # decoder.engine.SamplingParams
     tier: str
-    threshold_override: float | None
+    pinned: bool  # the request chose its own ``threshold`` (else it follows its tier's T)
     sink: Callable[[TokenEvent], None]
     arrival_s: float
+    threshold: float = 0.0  # the T this request runs at: one name from the HTTP body to verify_block
     added: bool = False
     first_token_s: float | None = None
     output_tokens: int = 0
     distortion: float = 0.0
-    threshold: float = 0.0
 
 
 @dataclass
@@ -197,13 +197,15 @@ class BatchingLoop:
         prompt_ids: list[int],
         params: Any,
         tier: str,
-        threshold_override: float | None,
+        threshold: float | None,
         sink: Callable[[TokenEvent], None],
         arrival_s: float | None = None,
     ) -> None:
-        """Queue a request. ``arrival_s``: when it arrived (monotonic; default now)."""
-        job = _Job(request_id, prompt_ids, params, tier, threshold_override, sink,
-                   time.monotonic() if arrival_s is None else arrival_s)
+        """Queue a request. ``threshold``: the request's own T (validated by the caller), None ⇒ it
+        follows its tier's T. ``arrival_s``: when it arrived (monotonic; default now)."""
+        job = _Job(request_id, prompt_ids, params, tier, threshold is not None, sink,
+                   time.monotonic() if arrival_s is None else arrival_s,
+                   threshold=threshold if threshold is not None else 0.0)
         with self._lock:
             self._in_flight += 1
             self._counters.arrivals += 1
@@ -341,7 +343,7 @@ class BatchingLoop:
         elif kind == "thresholds":
             self._tier_thresholds.update(arg)
             for job in self._jobs.values():
-                if job.threshold_override is None and job.tier in arg:
+                if not job.pinned and job.tier in arg:
                     job.threshold = float(arg[job.tier])
                     if job.added:
                         self._engine.set_threshold(job.request_id, job.threshold)
@@ -351,9 +353,7 @@ class BatchingLoop:
             self._stopped.set()
 
     def _add(self, job: _Job) -> None:
-        if job.threshold_override is not None:
-            job.threshold = job.threshold_override
-        else:
+        if not job.pinned:
             job.threshold = self._tier_thresholds.get(job.tier, 0.0)
         self._jobs[job.request_id] = job
         try:

@@ -437,7 +437,7 @@ class FSDReplica:
         """Chunks for one request: ``error`` | ``start``, then ``delta``s, then ``end``."""
         try:
             req = protocol.GenerationRequest.model_validate(request)
-            tier, override = self._resolve_threshold(req.tier, req.threshold)
+            tier, pinned_threshold = self._resolve_threshold(req.tier, req.threshold)
             params = self._sampling_params(req)
             try:
                 prompt_ids = self._pair.encode_prompt(req.prompt, chat=req.chat)
@@ -474,11 +474,11 @@ class FSDReplica:
         detok = _Detokenizer(self._pair.tokenizer, params.stop)
         drafted = accepted = fuzzy = iterations = completion_tokens = 0
         distortion = 0.0
-        threshold = request_threshold(self._slo, tier, self._effective(), override)
+        threshold = request_threshold(self._slo, tier, self._effective(), pinned_threshold)
         arrival_s = None
         if req.arrival_unix is not None:  # the ingress's stamp, on this process's monotonic clock
             arrival_s = time.monotonic() - max(0.0, time.time() - req.arrival_unix)
-        self._loop.submit(request_id, prompt_ids, params, tier, override, sink, arrival_s)
+        self._loop.submit(request_id, prompt_ids, params, tier, pinned_threshold, sink, arrival_s)
         finished = False
         try:
             yield {"type": "start", "request_id": request_id, "prompt_tokens": len(prompt_ids), "tier": tier,

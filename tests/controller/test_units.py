@@ -193,9 +193,9 @@ def engine() -> Any:
 
 
 def _collect(loop: BatchingLoop, rid: str, prompt: list[int], params: Any, tier: str = "standard",
-             override: float | None = None) -> queue.SimpleQueue[TokenEvent]:
+             threshold: float | None = None) -> queue.SimpleQueue[TokenEvent]:
     q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-    loop.submit(rid, prompt, params, tier, override, q.put)
+    loop.submit(rid, prompt, params, tier, threshold, q.put)
     return q
 
 
@@ -216,7 +216,7 @@ def test_batching_loop_counts_exactly_and_applies_tier_thresholds(engine: Any) -
         params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
         queues = {f"r{i}": _collect(loop, f"r{i}", [257, 104, 105 + i], params, tier)
                   for i, tier in enumerate(["standard", "economy", "standard"])}
-        queues["pinned"] = _collect(loop, "pinned", [257, 120], params, "economy", override=0.1)
+        queues["pinned"] = _collect(loop, "pinned", [257, 120], params, "economy", threshold=0.1)
         events = {rid: _drain(q) for rid, q in queues.items()}
         snap = loop.snapshot(drain_records=True)
     finally:

@@ -47,6 +47,7 @@ from ray import serve
 
 from controller.config import FSDConfig, format_validation_error, parse_config
 from controller.openai_schema import ChatCompletionRequest, CompletionRequest
+from controller.protocol import chunk_as_dict
 
 logger = logging.getLogger("ray.serve")
 
@@ -97,7 +98,8 @@ class _Stream:
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         try:
-            async for chunk in self.generator:
+            async for typed in self.generator:
+                chunk = chunk_as_dict(typed)  # typed across the Ray boundary; rendered from the JSON view
                 yield chunk
                 if chunk.get("type") == "end":
                     self.done = True
@@ -198,7 +200,7 @@ class FSDIngress:
         generator = None
         try:
             generator = self._replicas.options(stream=True).generate.remote(payload)
-            first = await generator.__anext__()
+            first = chunk_as_dict(await generator.__anext__())
         except asyncio.CancelledError:  # deadline or client gone before the first chunk: free the replica
             if generator is not None:
                 generator.cancel()

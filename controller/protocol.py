@@ -6,21 +6,23 @@ controller's :class:`ReportReply`. Reports carry *deltas* numbered per replica i
 with the replica until the controller acknowledges their sequence number, so a report is never lost and
 never counted twice.
 
-Chunks are plain dicts (cheap to ship through Ray) with a ``type``:
+Chunks are typed dataclasses (:data:`Chunk`), each with a ``type`` tag:
 
-* ``error`` — first and only chunk of a rejected request: ``status`` (the HTTP status the ingress
-  returns), ``message``, ``param`` (the offending field, OpenAI style) and ``code``;
-* ``start`` — the request joined the replica: ``prompt_tokens``, ``tier``, ``threshold``;
-* ``delta`` — new output text;
-* ``end`` — ``finish_reason`` (``stop`` | ``length`` | ``abort`` | ``error``), the last ``text``, and for
-  successful requests ``usage`` and ``fsd`` (see :func:`fsd_summary`).
+* :class:`ErrorChunk` — first and only chunk of a rejected request: ``status`` (the HTTP status the
+  ingress returns), ``message``, ``param`` (the offending field, OpenAI style) and ``code``;
+* :class:`StartChunk` — the request joined the replica: ``prompt_tokens``, ``tier``, ``threshold``;
+* :class:`DeltaChunk` — new output text;
+* :class:`EndChunk` — ``finish_reason`` (``stop`` | ``length`` | ``abort`` | ``error``), the last ``text``,
+  and for successful requests ``usage`` and ``fsd`` (see :func:`fsd_summary`).
+
+:func:`chunk_as_dict` gives the JSON-shaped view the ingress renders.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,9 +40,79 @@ class RequestError(Exception):
         self.param = param
         self.code = code
 
-    def chunk(self) -> dict[str, Any]:
-        return {"type": "error", "status": self.status, "message": self.message, "param": self.param,
-                "code": self.code}
+    def chunk(self) -> ErrorChunk:
+        return ErrorChunk(status=self.status, message=self.message, param=self.param, code=self.code)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorChunk:
+    status: int
+    message: str
+    param: str | None
+    code: str | None
+    type: Literal["error"] = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class StartChunk:
+    request_id: str
+    prompt_tokens: int
+    tier: str
+    threshold: float  # the T the request starts at (its own, else its tier's)
+    replica_id: str
+    type: Literal["start"] = "start"
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaChunk:
+    text: str
+    type: Literal["delta"] = "delta"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class FSDSummary:
+    """The ``fsd`` object of a response (see :func:`fsd_summary`)."""
+
+    tier: str
+    threshold: float
+    drafted_tokens: int
+    accepted_tokens: int
+    fuzzy_accepted_tokens: int
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    distortion: float
+    mean_distortion: float
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndChunk:
+    finish_reason: str
+    text: str
+    usage: Usage | None = None  # None when finish_reason is "error"
+    fsd: FSDSummary | None = None
+    error: str | None = None
+    type: Literal["end"] = "end"
+
+
+Chunk = ErrorChunk | StartChunk | DeltaChunk | EndChunk
+
+
+def chunk_as_dict(chunk: Chunk | dict[str, Any]) -> dict[str, Any]:
+    """The JSON-shaped view of a chunk (what the ingress renders); a dict passes through unchanged."""
+    if isinstance(chunk, dict):
+        return chunk
+    out = asdict(chunk)
+    if isinstance(chunk, EndChunk) and chunk.finish_reason == "error":
+        del out["usage"], out["fsd"]
+    return out
 
 
 class GenerationRequest(BaseModel):
@@ -140,25 +212,25 @@ def fsd_summary(
     output_tokens: int,
     iterations: int,
     replica_id: str,
-) -> dict[str, Any]:
+) -> FSDSummary:
     """The ``fsd`` object of a response.
 
     ``acceptance_rate`` = accepted / drafted draft tokens; ``mean_accepted_length`` = output tokens per
     engine iteration (accepted drafts plus the target's own token, the usual speculative-decoding τ);
     ``distortion`` = summed per-token TV distortion, ``mean_distortion`` = per output token.
     """
-    return {
-        "tier": tier,
-        "threshold": threshold,
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
-        "fuzzy_accepted_tokens": fuzzy_accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_accepted_length": output_tokens / iterations if iterations else None,
-        "distortion": distortion,
-        "mean_distortion": distortion / output_tokens if output_tokens else 0.0,
-        "replica_id": replica_id,
-    }
+    return FSDSummary(
+        tier=tier,
+        threshold=threshold,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        fuzzy_accepted_tokens=fuzzy_accepted,
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_accepted_length=output_tokens / iterations if iterations else None,
+        distortion=distortion,
+        mean_distortion=distortion / output_tokens if output_tokens else 0.0,
+        replica_id=replica_id,
+    )
 
 
 def finite_or_none(x: float | None) -> float | None:

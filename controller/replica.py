@@ -433,7 +433,7 @@ class FSDReplica:
             raise protocol.RequestError(422, str(exc), None) from None
         return params
 
-    async def generate(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: Mapping[str, Any]) -> AsyncIterator[protocol.Chunk]:
         """Chunks for one request: ``error`` | ``start``, then ``delta``s, then ``end``."""
         try:
             req = protocol.GenerationRequest.model_validate(request)
@@ -481,22 +481,22 @@ class FSDReplica:
         self._loop.submit(request_id, prompt_ids, params, tier, pinned_threshold, sink, arrival_s)
         finished = False
         try:
-            yield {"type": "start", "request_id": request_id, "prompt_tokens": len(prompt_ids), "tier": tier,
-                   "threshold": threshold, "replica_id": self._replica_id}
+            yield protocol.StartChunk(request_id=request_id, prompt_tokens=len(prompt_ids), tier=tier,
+                                      threshold=threshold, replica_id=self._replica_id)
             while True:
                 event = await events.get()
                 if event.finished:
                     finished = True
                     tail = detok.finish(event.text)
                     if event.error is not None:
-                        yield {"type": "end", "finish_reason": "error", "error": event.error, "text": tail}
+                        yield protocol.EndChunk(finish_reason="error", text=tail, error=event.error)
                         return
-                    usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                             "total_tokens": len(prompt_ids) + completion_tokens}
+                    usage = protocol.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens,
+                                           total_tokens=len(prompt_ids) + completion_tokens)
                     fsd = protocol.fsd_summary(tier, threshold, drafted, accepted, fuzzy, distortion,
                                                completion_tokens, iterations, self._replica_id)
-                    yield {"type": "end", "finish_reason": event.finish_reason, "text": tail,
-                           "usage": usage, "fsd": fsd}
+                    yield protocol.EndChunk(finish_reason=event.finish_reason or "stop", text=tail,
+                                            usage=usage, fsd=fsd)
                     return
                 iterations += 1
                 drafted += event.drafted
@@ -507,7 +507,7 @@ class FSDReplica:
                 completion_tokens += len(event.new_token_ids)
                 text = detok.push(event.new_token_ids)
                 if text:
-                    yield {"type": "delta", "text": text}
+                    yield protocol.DeltaChunk(text=text)
         finally:
             if not finished:  # cancelled (client gone, timeout) or the consumer stopped: free the slot
                 self._loop.abort(request_id)

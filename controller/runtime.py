@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -58,7 +59,7 @@ class Service:
             init_kwargs.update(address="local", num_cpus=self.cfg.ray.num_cpus, include_dashboard=False)
             if self.cfg.ray.object_store_memory is not None:
                 init_kwargs["object_store_memory"] = self.cfg.ray.object_store_memory
-            ray.init(**init_kwargs)
+            _init_local(init_kwargs)
             self._own_cluster = True
         _restore_signal_handlers(handlers)
         self._started = True
@@ -112,6 +113,24 @@ class Service:
         self.stop()
 
 
+def _init_local(init_kwargs: dict[str, Any], attempts: int = 3) -> None:
+    """Start a local cluster. On a saturated machine Ray's own start-up can time out ("The current node
+    timed out during startup"): that attempt's processes are killed and it is retried."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            ray.shutdown()
+            # The failed attempt's processes (GCS, raylet, agents) carry a session named after this pid.
+            kill_session_leftovers(re.compile(rf"session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{os.getpid()}(?!\d)"))
+            logger.warning("Ray start-up timed out (attempt %d of %d); retrying", attempt, attempts)
+
+
 def _session_name() -> str | None:
     """This driver's Ray session directory name (``session_<date>_<pid>``), or None."""
     try:
@@ -123,7 +142,7 @@ def _session_name() -> str | None:
         return None
 
 
-def kill_session_leftovers(session: str, grace_s: float = 5.0) -> list[int]:
+def kill_session_leftovers(session: str | re.Pattern[str], grace_s: float = 5.0) -> list[int]:
     """Kill the processes of Ray session ``session`` still alive after ``ray.shutdown()``.
 
     Some of Ray's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) ignore SIGTERM and outlive
@@ -141,7 +160,7 @@ def kill_session_leftovers(session: str, grace_s: float = 5.0) -> list[int]:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone, or not ours to read
             continue
-        if session in cmdline:
+        if (session.search(cmdline) is not None) if isinstance(session, re.Pattern) else (session in cmdline):
             victims.append(int(entry))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [pid for pid in victims if _signal(pid, sig)]

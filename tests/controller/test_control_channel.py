@@ -17,7 +17,7 @@ import pytest
 
 from controller.batching import BatchingLoop, TokenEvent
 from controller.control_loop import FSDController
-from controller.protocol import ReplicaReport, ReportReply
+from controller.protocol import EndChunk, ReplicaReport, ReportReply, StartChunk
 from controller.replica import FSDReplica
 from tests.controller.conftest import tiny_config
 
@@ -52,7 +52,9 @@ async def _complete(replica: FSDReplica, n: int, tier: str = "economy", max_toke
     for i in range(n):
         chunks = [c async for c in replica.generate({"prompt": f"p{i}", "max_tokens": max_tokens, "tier": tier,
                                                       "ignore_eos": True, "seed": i})]
-        assert chunks[-1]["type"] == "end" and chunks[-1]["finish_reason"] == "length", chunks[-1]
+        end = chunks[-1]
+        assert isinstance(end, EndChunk) and end.finish_reason == "length", end
+        assert isinstance(chunks[0], StartChunk) and chunks[0].tier == tier
         done += 1
     return done
 

@@ -245,6 +245,14 @@ class BatchingLoop:
         with self._lock:
             return self._counters.copy()
 
+    def counters_and_records(self) -> tuple[ReplicaCounters, tuple[RequestRecord, ...]]:
+        """Cumulative counters and the records drained since the previous call, taken atomically (a
+        request finishing in between would otherwise be in one and not the other)."""
+        with self._lock:
+            out = tuple(self._records)
+            self._records.clear()
+            return self._counters.copy(), out
+
     def drain_records(self) -> tuple[RequestRecord, ...]:
         """The finished-request records since the previous drain (each handed out exactly once)."""
         with self._lock:

@@ -334,8 +334,8 @@ class FSDReplica:
     def build_report(self) -> protocol.ReplicaReport:
         """Seal everything since the previous report into the next numbered report and queue it with the
         unacknowledged ones."""
-        counters = self._loop.counters()
-        records = self._loop.drain_records()
+        state = self._state()  # first: nothing below may fail once records are drained
+        counters, records = self._loop.counters_and_records()
         self._seq += 1
         report = protocol.ReplicaReport(
             incarnation=self._incarnation,
@@ -343,7 +343,7 @@ class FSDReplica:
             sent_unix=time.time(),
             counters=counters.minus(self._reported),
             records=records,
-            state=self._state(),
+            state=state,
             push_latencies_ms=tuple(self._push_latencies_ms),
         )
         self._reported = counters
@@ -365,11 +365,11 @@ class FSDReplica:
 
     async def push_report(self) -> None:
         """Build a report and send it with every unacknowledged one; on failure they wait for the next."""
-        self.build_report()
-        sender = self._sender
-        if sender is None:
-            sender = self._sender = _serve_sender(self._cfg.replica.report_timeout_s)
         try:
+            self.build_report()
+            sender = self._sender
+            if sender is None:
+                sender = self._sender = _serve_sender(self._cfg.replica.report_timeout_s)
             reply = await sender(list(self._unacked))
         except asyncio.CancelledError:
             raise

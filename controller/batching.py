@@ -221,6 +221,10 @@ class BatchingLoop:
     def set_draft_length(self, k: int) -> None:
         self._commands.put(("draft_length", int(k)))
 
+    def cancel_all(self, message: str) -> None:
+        """Fail every request in flight with ``message`` (an explicit error, not a cut stream)."""
+        self._commands.put(("cancel_all", message))
+
     def count_rejection(self, tier: str | None = None) -> None:
         with self._lock:
             self._counters.rejections += 1
@@ -357,6 +361,9 @@ class BatchingLoop:
                         self._engine.set_threshold(job.request_id, job.threshold)
         elif kind == "draft_length":
             self._engine.set_draft_length(arg)
+        elif kind == "cancel_all":
+            for job in list(self._jobs.values()):
+                self._finish(job, "error", error=arg)
         elif kind == "stop":
             self._stopped.set()
 

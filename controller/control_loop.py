@@ -188,6 +188,7 @@ class FSDController:
         self._ingress_aborted: dict[str, int] = {}
         self._lock = asyncio.Lock()  # an admin change never interleaves with itself
         self._paused = False
+        self._stopping = False
         self._problems: dict[str, str] = {}
         # Cumulative, for status and the benchmark.
         self._ticks = 0
@@ -215,11 +216,20 @@ class FSDController:
         return ReportReply(acked_seq=acked, push=self._current_push())
 
     def _current_push(self) -> ThresholdPush | None:
-        if self._resumed is None or self._paused:
+        if (self._resumed is None or self._paused) and not self._stopping:
             return None
         return ThresholdPush(epoch=self._epoch, version=self._version, thresholds=dict(self._thresholds),
                              draft_lengths=dict(self._draft_lengths), slo=self._slo,
-                             decided_unix=self._decided_unix)
+                             decided_unix=self._decided_unix, stopping=self._stopping)
+
+    def begin_shutdown(self) -> bool:
+        """The service is stopping: every reply from now on tells replicas to fail what they run with an
+        explicit error and to refuse new requests (so streams end with an error event, not a cut
+        connection, before Serve tears the proxies down)."""
+        if not self._stopping:
+            logger.warning("FSD controller: service stopping; replicas will cancel in-flight requests")
+        self._stopping = True
+        return True
 
     # ---- the loop --------------------------------------------------------------------------------
 

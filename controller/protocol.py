@@ -150,6 +150,8 @@ class ThresholdPush:
     draft_lengths: dict[str, int]
     slo: SLOSpec
     decided_unix: float
+    #: The service is stopping: fail what is in flight with an explicit error and refuse new requests.
+    stopping: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +177,7 @@ class ReplicaState:
     failsafe: bool
     failsafe_events: int
     last_update_age_s: float | None
+    stopping: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,9 @@ logger = logging.getLogger("ray.serve")
 #: dropped and counted (``dropped_reports``) rather than growing without bound.
 MAX_UNACKED_REPORTS = 1000
 
+#: The explicit error in-flight requests get when the service stops.
+SHUTDOWN_MESSAGE = "the service is shutting down; request cancelled"
+
 #: Sends one batch of reports and returns the controller's reply (the Serve transport by default).
 ReportSender = Callable[[list[protocol.ReplicaReport]], Awaitable[protocol.ReportReply]]
 
@@ -206,6 +209,7 @@ class FSDReplica:
         self._sender = report_sender
         self._push_task: asyncio.Task[None] | None = None
         self._report_problem: str | None = None
+        self._stopping = False
         loop = asyncio.get_running_loop()
         self._watchdog = loop.create_task(self._watch_staleness())
         self._reporter = loop.create_task(self._report_loop())
@@ -267,6 +271,10 @@ class FSDReplica:
         self._version = push.version
         self._set_draft_lengths(push.draft_lengths)
         self._loop.set_tier_thresholds(self._effective())
+        if push.stopping and not self._stopping:
+            self._stopping = True
+            logger.warning("FSD replica %s: the service is stopping; failing in-flight requests", self._replica_id)
+            self._loop.cancel_all(SHUTDOWN_MESSAGE)
         if fresh:
             self._push_latencies_ms.append(max(0.0, (time.time() - push.decided_unix) * 1e3))
             del self._push_latencies_ms[:-1000]
@@ -329,6 +337,7 @@ class FSDReplica:
             failsafe=self._failsafe,
             failsafe_events=self._failsafe_events,
             last_update_age_s=None if self._last_update is None else now - self._last_update,
+            stopping=self._stopping,
         )
 
     def build_report(self) -> protocol.ReplicaReport:
@@ -453,6 +462,8 @@ class FSDReplica:
                 )
             if not self._loop.alive:
                 raise protocol.RequestError(503, f"engine is not running: {self._loop.error}", None)
+            if self._stopping:
+                raise protocol.RequestError(503, SHUTDOWN_MESSAGE, None)
             if self._loop.in_flight >= self._cfg.replica.max_queued:
                 self._loop.count_rejection(tier)
                 raise protocol.RequestError(

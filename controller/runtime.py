@@ -93,6 +93,10 @@ class Service:
 
         session = _session_name() if self._own_cluster else None
         try:
+            self._cancel_in_flight()
+        except BaseException:  # best effort: the teardown below runs regardless
+            logger.warning("cancelling in-flight requests failed", exc_info=True)
+        try:
             if self._own_cluster:
                 serve.shutdown()
             else:
@@ -104,6 +108,25 @@ class Service:
             self._started = False
             if session is not None:
                 kill_session_leftovers(session)
+
+    def _cancel_in_flight(self, settle_s: float = 1.0) -> None:
+        """Tell the replicas (through the controller's next replies) to fail in-flight requests with an
+        explicit error, and wait until every replica reports it did — bounded by a few control
+        intervals — plus ``settle_s`` for the ingress to send the final events."""
+        from ray import serve
+
+        from controller.protocol import CONTROLLER_DEPLOYMENT
+
+        controller = serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, self.cfg.serve.app_name)
+        controller.begin_shutdown.remote().result(timeout_s=10)
+        interval = self.cfg.replica.report_interval_s or self.cfg.control.interval_s
+        deadline = time.monotonic() + 3 * interval + 5.0
+        while time.monotonic() < deadline:
+            replicas = controller.status.remote(history=0).result(timeout_s=10)["replicas"]
+            if all(r["stopping"] and r["in_flight"] == 0 for r in replicas):
+                break
+            time.sleep(min(0.2, interval))
+        time.sleep(settle_s)
 
     def __enter__(self) -> Service:
         self.start()

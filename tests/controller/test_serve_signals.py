@@ -12,8 +12,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -94,7 +96,7 @@ def _start_serving(config: Path, port: int, log_path: Path, attempts: int = 3) -
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_fsd_serve_exits_0_and_leaves_no_process(sig: signal.Signals, tmp_path: Path) -> None:
     port = free_port()
-    cfg = tiny_config(http={"port": port}, ray={"num_cpus": 1},
+    cfg = tiny_config(http={"port": port}, ray={"num_cpus": 1}, model={"num_draft_tokens": 1},
                       serve={"replica_num_cpus": 0.5, "app_name": "fsd-signals"})
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -106,8 +108,32 @@ def test_fsd_serve_exits_0_and_leaves_no_process(sig: signal.Signals, tmp_path: 
         session = sessions.pop()
         assert _session_processes(session), "the session's processes are visible before the stop"
 
+        # A long stream in flight when the signal comes: it must drain or end with an explicit error
+        # event, never a cut connection.
+        inflight: dict[str, Any] = {}
+
+        def stream() -> None:
+            body = {"prompt": "long", "max_tokens": 380, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=150) as r:
+                    inflight["status"] = r.status_code
+                    inflight["text"] = r.read().decode(errors="replace")
+            except httpx.HTTPError as exc:
+                inflight["exception"] = repr(exc)
+
+        client = threading.Thread(target=stream)
+        client.start()
+        deadline = time.monotonic() + 60
+        while not inflight and time.monotonic() < deadline:
+            st = httpx.get(f"http://127.0.0.1:{port}/v1/fsd/status", timeout=10).json()
+            if any(r["in_flight"] for r in st["replicas"]):
+                break
+            time.sleep(0.1)
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=150) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        client.join(30)
+        assert "exception" not in inflight, f"the in-flight stream was cut: {inflight}"
+        assert inflight.get("status") == 200 and inflight["text"].rstrip().endswith("data: [DONE]"), inflight
         left = [pid for pid in tree if _alive(pid)] + _session_processes(session)
         assert not left, f"processes left behind: {[(p, _cmdline(p)[:120]) for p in sorted(set(left))]}"
     finally:

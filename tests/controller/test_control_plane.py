@@ -23,7 +23,7 @@ import pytest
 from controller.replica import FSDReplica
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 APP = "fsd-control-plane"
 PREFIX = "/cp"

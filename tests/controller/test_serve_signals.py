@@ -23,7 +23,7 @@ import yaml
 
 from tests.controller.conftest import free_port, tiny_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SESSION = re.compile(rb"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
 

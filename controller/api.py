@@ -67,6 +67,7 @@ from controller.openai_schema import (
     UnsupportedParameterError,
     check_unsupported,
 )
+from controller.protocol import chunk_as_dict
 from controller.recording import RequestRecording, TrafficRecorder
 from controller.rollout import ShadowEstimator
 from fsd_common.validation import first_error_path, format_validation_error
@@ -197,7 +198,8 @@ class _Stream:
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         try:
-            async for chunk in self.generator:
+            async for typed in self.generator:
+                chunk = chunk_as_dict(typed)  # typed across the Ray boundary; rendered from the JSON view
                 if self.recording is not None:
                     self.recording.observe(chunk)
                 yield chunk
@@ -301,10 +303,10 @@ class FSDIngress:
         if not hmac.compare_digest(token.strip().encode(), self._admin_token.encode()):
             raise HTTPError(403, "invalid admin token")
 
-    def _overloaded(self, message: str, count: bool = True) -> HTTPError:
-        if count:  # refused by Serve's queue before any replica saw it: tell the controller
+    def _overloaded(self, message: str, count: bool = True, tier: str | None = None) -> HTTPError:
+        if count:  # refused by Serve's queue before any replica saw it: tell the controller (an SLO miss)
             with _suppress_all():
-                self._controller.record_rejections.remote(1)
+                self._controller.record_rejections.remote(1, tier)
         return HTTPError(503, message, code="overloaded",
                          headers={"Retry-After": str(self._cfg.http.retry_after_s)})
 
@@ -313,7 +315,7 @@ class FSDIngress:
         generator = None
         try:
             generator = self._replicas.options(stream=True).generate.remote(payload)
-            first = await generator.__anext__()
+            first = chunk_as_dict(await generator.__anext__())
         except asyncio.CancelledError:  # deadline or client gone before the first chunk: free the replica
             if generator is not None:
                 generator.cancel()
@@ -322,8 +324,11 @@ class FSDIngress:
             raise HTTPError(502, "replica closed the stream without answering") from None
         except Exception as exc:
             if _is_backpressure(exc):
-                raise self._overloaded("server overloaded: request queue is full; retry later") from None
+                raise self._overloaded("server overloaded: request queue is full; retry later",
+                                       tier=payload.get("tier")) from None
             if _is_replica_failure(exc):
+                with _suppress_all():  # no replica answered: an SLO miss the replicas cannot count
+                    self._controller.record_rejections.remote(1, payload.get("tier"))
                 raise HTTPError(503, f"no replica available: {type(exc).__name__}",
                                 headers={"Retry-After": str(self._cfg.http.retry_after_s)}) from None
             logger.exception("replica call failed (request id %s)", request_id)
@@ -338,7 +343,7 @@ class FSDIngress:
         return _Stream(generator, first)
 
     def _payload(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                 prompt: Any, chat: bool) -> dict[str, Any]:
+                 prompt: Any, chat: bool, arrival_unix: float | None = None) -> dict[str, Any]:
         header_tier = request.headers.get("x-slo-tier")
         tier = body.fsd.tier if body.fsd is not None and body.fsd.tier is not None else header_tier
         threshold = body.fsd.threshold if body.fsd is not None else None
@@ -355,6 +360,7 @@ class FSDIngress:
             "ignore_eos": body.ignore_eos,
             "tier": tier or None,
             "threshold": threshold,
+            "arrival_unix": arrival_unix,  # latency counts from here: what the user sees
         }
 
     # ---- generation ------------------------------------------------------------------------------
@@ -369,6 +375,7 @@ class FSDIngress:
         started = time.monotonic()
         recording: RequestRecording | None = None
         request_id = _request_id(request)
+        arrival_unix = time.time()
         try:
             data = await self._json_object(request)
             try:
@@ -385,13 +392,15 @@ class FSDIngress:
             self._log_ignored_fields(body)
             prompt: Any = body.message_dicts() if isinstance(body, ChatCompletionRequest) else body.prompt_text()
             # Plain completions are raw text continuation; chat goes through the chat template.
-            payload = self._payload(body, request, prompt, chat=chat)
+            payload = self._payload(body, request, prompt, chat=chat, arrival_unix=arrival_unix)
             if self._recorder is not None:
                 recording = RequestRecording.for_payload(self._recorder, payload, self._cfg)
             timeout = self._cfg.http.request_timeout_s
             try:
                 stream = await asyncio.wait_for(self._start(payload, request_id), timeout)
             except TimeoutError:
+                with _suppress_all():  # no replica answered in time: an SLO miss of the request's tier
+                    self._controller.record_aborted.remote(1, payload.get("tier"))
                 raise HTTPError(504, f"request did not start within {timeout}s") from None
         except HTTPError as err:
             if recording is not None:

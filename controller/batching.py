@@ -11,8 +11,9 @@ the engine). The thread talks to the rest of the replica through:
   queue) that receive a :class:`TokenEvent` per step the request took part in;
 * :class:`ReplicaCounters`, updated under a lock and read by ``stats()``.
 
-Request timing uses the monotonic clock: arrival is stamped when the replica accepts the request,
-first-token and finish times when the step that produced them returns. Per finished request one
+Request timing uses the monotonic clock: arrival is the ingress's stamp (converted by the replica;
+the replica's own acceptance time when there is none), first-token and finish times when the step that
+produced them returns. Per finished request one
 :class:`RequestRecord` is kept until the controller scrapes it.
 """
 
@@ -25,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -70,19 +71,41 @@ class _Job:
     prompt_ids: list[int]
     params: Any  # decoder.engine.SamplingParams
     tier: str
-    threshold_override: float | None
+    pinned: bool  # the request chose its own ``threshold`` (else it follows its tier's T)
     sink: Callable[[TokenEvent], None]
     arrival_s: float
+    threshold: float = 0.0  # the T this request runs at: one name from the HTTP body to verify_block
     added: bool = False
     first_token_s: float | None = None
     output_tokens: int = 0
     distortion: float = 0.0
-    threshold: float = 0.0
+
+
+@dataclass
+class TierCounters:
+    """Per-tier counters. ``rejections`` (503 here), ``aborted`` (client gone, 504) and ``failed``
+    (engine error) are requests that ended without an answer: SLO misses."""
+
+    arrivals: int = 0
+    completions: int = 0
+    output_tokens: int = 0
+    distortion: float = 0.0
+    rejections: int = 0
+    aborted: int = 0
+    failed: int = 0
+
+    def minus(self, before: TierCounters) -> TierCounters:
+        return TierCounters(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+
+    def add(self, other: TierCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass
 class ReplicaCounters:
-    """Cumulative since the replica started (monotonic counters; the controller takes deltas)."""
+    """Cumulative since the replica started inside the replica; a report carries the difference of two
+    snapshots (:meth:`minus`), so a receiver only ever adds."""
 
     iterations: int = 0
     row_iterations: int = 0  # (sequence, iteration) pairs: the denominator of tokens per iteration
@@ -102,12 +125,34 @@ class ReplicaCounters:
     prefill_time_s: float = 0.0
     busy_time_s: float = 0.0
     dropped_records: int = 0
-    per_tier: dict[str, dict[str, float]] = field(default_factory=dict)
+    per_tier: dict[str, TierCounters] = field(default_factory=dict)
 
-    def tier(self, name: str) -> dict[str, float]:
-        return self.per_tier.setdefault(
-            name, {"arrivals": 0, "completions": 0, "output_tokens": 0, "distortion": 0.0}
-        )
+    def tier(self, name: str) -> TierCounters:
+        return self.per_tier.setdefault(name, TierCounters())
+
+    def copy(self) -> ReplicaCounters:
+        out = ReplicaCounters(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_tier"})
+        out.per_tier = {name: TierCounters(**asdict(t)) for name, t in self.per_tier.items()}
+        return out
+
+    def minus(self, before: ReplicaCounters) -> ReplicaCounters:
+        """``self - before`` field by field (tiers ``before`` lacks count from zero)."""
+        out = ReplicaCounters(**{
+            f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self) if f.name != "per_tier"
+        })
+        out.per_tier = {name: t.minus(before.per_tier.get(name, TierCounters())) for name, t in self.per_tier.items()}
+        return out
+
+    def add(self, other: ReplicaCounters) -> None:
+        for f in fields(self):
+            if f.name != "per_tier":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name, t in other.per_tier.items():
+            self.tier(name).add(t)
+
+    def scalars(self) -> dict[str, float]:
+        """The scalar counters by name (for metrics)."""
+        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "per_tier"}
 
 
 class StepEngine(Protocol):
@@ -137,6 +182,10 @@ class BatchingLoop:
         self._running = 0
         self._stopped = threading.Event()
         self._error: str | None = None
+        # Health (read by check_health from another thread; plain attribute reads are atomic).
+        self._step_started: float | None = None  # monotonic start of the step in progress
+        self._consecutive_failures = 0
+        self._last_failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -148,14 +197,19 @@ class BatchingLoop:
         prompt_ids: list[int],
         params: Any,
         tier: str,
-        threshold_override: float | None,
+        threshold: float | None,
         sink: Callable[[TokenEvent], None],
+        arrival_s: float | None = None,
     ) -> None:
-        job = _Job(request_id, prompt_ids, params, tier, threshold_override, sink, time.monotonic())
+        """Queue a request. ``threshold``: the request's own T (validated by the caller), None ⇒ it
+        follows its tier's T. ``arrival_s``: when it arrived (monotonic; default now)."""
+        job = _Job(request_id, prompt_ids, params, tier, threshold is not None, sink,
+                   time.monotonic() if arrival_s is None else arrival_s,
+                   threshold=threshold if threshold is not None else 0.0)
         with self._lock:
             self._in_flight += 1
             self._counters.arrivals += 1
-            self._counters.tier(tier)["arrivals"] += 1
+            self._counters.tier(tier).arrivals += 1
         self._commands.put(("add", job))
 
     def abort(self, request_id: str) -> None:
@@ -167,9 +221,53 @@ class BatchingLoop:
     def set_draft_length(self, k: int) -> None:
         self._commands.put(("draft_length", int(k)))
 
+    def cancel_all(self, message: str) -> None:
+        """Fail every request in flight with ``message`` (an explicit error, not a cut stream)."""
+        self._commands.put(("cancel_all", message))
+
     def count_rejection(self, tier: str | None = None) -> None:
         with self._lock:
             self._counters.rejections += 1
+            if tier is not None:
+                self._counters.tier(tier).rejections += 1
+
+    def health_problem(self, hang_after_s: float, max_consecutive_failures: int) -> str | None:
+        """Why this engine cannot serve (None when it can): thread gone, a step running longer than
+        ``hang_after_s``, or ``max_consecutive_failures`` steps in a row that raised."""
+        if not self.alive:
+            return f"engine thread is not running: {self._error}"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > hang_after_s:
+            return f"engine step running for {time.monotonic() - started:.1f}s (> {hang_after_s}s): hung"
+        if self._consecutive_failures >= max_consecutive_failures:
+            return (f"{self._consecutive_failures} engine steps in a row failed "
+                    f"(limit {max_consecutive_failures}); last: {self._last_failure}")
+        return None
+
+    def counters(self) -> ReplicaCounters:
+        """A copy of the cumulative counters."""
+        with self._lock:
+            return self._counters.copy()
+
+    def counters_and_records(self) -> tuple[ReplicaCounters, tuple[RequestRecord, ...]]:
+        """Cumulative counters and the records drained since the previous call, taken atomically (a
+        request finishing in between would otherwise be in one and not the other)."""
+        with self._lock:
+            out = tuple(self._records)
+            self._records.clear()
+            return self._counters.copy(), out
+
+    def drain_records(self) -> tuple[RequestRecord, ...]:
+        """The finished-request records since the previous drain (each handed out exactly once)."""
+        with self._lock:
+            out = tuple(self._records)
+            self._records.clear()
+        return out
+
+    def load(self) -> tuple[int, int]:
+        """(in flight, running)."""
+        with self._lock:
+            return self._in_flight, self._running
 
     @property
     def in_flight(self) -> int:
@@ -188,7 +286,7 @@ class BatchingLoop:
         """Counters (cumulative), queue state and — if ``drain_records`` — the finished-request records
         since the previous drain."""
         with self._lock:
-            counters = asdict(self._counters)
+            counters = asdict(self._counters)  # a debugging view; reports use counters()/drain_records()
             records = [asdict(r) for r in self._records] if drain_records else []
             if drain_records:
                 self._records.clear()
@@ -218,8 +316,13 @@ class BatchingLoop:
                 if self._engine.has_unfinished():
                     try:
                         self._step_once()
+                        self._consecutive_failures = 0
                     except Exception as exc:  # one bad step fails its batch, not the replica
-                        logger.exception("engine step failed; failing the running batch")
+                        self._step_started = None
+                        self._consecutive_failures += 1
+                        self._last_failure = f"{type(exc).__name__}: {exc}"
+                        logger.exception("engine step failed (%d in a row); failing the running batch",
+                                         self._consecutive_failures)
                         self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
         except BaseException as exc:  # the thread must never die silently
             self._error = f"{type(exc).__name__}: {exc}"
@@ -252,19 +355,20 @@ class BatchingLoop:
         elif kind == "thresholds":
             self._tier_thresholds.update(arg)
             for job in self._jobs.values():
-                if job.threshold_override is None and job.tier in arg:
+                if not job.pinned and job.tier in arg:
                     job.threshold = float(arg[job.tier])
                     if job.added:
                         self._engine.set_threshold(job.request_id, job.threshold)
         elif kind == "draft_length":
             self._engine.set_draft_length(arg)
+        elif kind == "cancel_all":
+            for job in list(self._jobs.values()):
+                self._finish(job, "error", error=arg)
         elif kind == "stop":
             self._stopped.set()
 
     def _add(self, job: _Job) -> None:
-        if job.threshold_override is not None:
-            job.threshold = job.threshold_override
-        else:
+        if not job.pinned:
             job.threshold = self._tier_thresholds.get(job.tier, 0.0)
         self._jobs[job.request_id] = job
         try:
@@ -276,8 +380,10 @@ class BatchingLoop:
 
     def _step_once(self) -> None:
         t0 = time.monotonic()
+        self._step_started = t0
         stats = self._engine.step()
         now = time.monotonic()
+        self._step_started = None
         finished: list[tuple[_Job, str]] = []
         with self._lock:
             c = self._counters
@@ -301,8 +407,8 @@ class BatchingLoop:
                 c.distortion += distortion
                 c.output_tokens += n_new
                 tier = c.tier(job.tier)
-                tier["output_tokens"] += n_new
-                tier["distortion"] += distortion
+                tier.output_tokens += n_new
+                tier.distortion += distortion
                 if n_new and job.first_token_s is None:
                     job.first_token_s = now
                 job.output_tokens += n_new
@@ -351,11 +457,13 @@ class BatchingLoop:
             c = self._counters
             if error is not None:
                 c.failed += 1
+                c.tier(job.tier).failed += 1
             elif aborted:
                 c.aborted += 1
+                c.tier(job.tier).aborted += 1
             else:
                 c.completions += 1
-                c.tier(job.tier)["completions"] += 1
+                c.tier(job.tier).completions += 1
                 first = job.first_token_s if job.first_token_s is not None else now
                 tpot = (now - first) / (job.output_tokens - 1) * 1e3 if job.output_tokens > 1 else None
                 self._records.append(

@@ -66,6 +66,19 @@ class ReplicaConfig(_Section):
     initial_thresholds: dict[str, float] = Field(
         default_factory=dict, description="T per tier before the first controller update (default: safe T)"
     )
+    report_interval_s: float | None = Field(
+        None, gt=0, le=60, description="how often a replica pushes its report to the controller "
+        "(None = control.interval_s)"
+    )
+    report_timeout_s: float = Field(
+        5.0, gt=0, description="a report the controller has not answered in this long is re-sent with the next"
+    )
+    step_hang_s: float = Field(
+        120.0, gt=0, description="an engine step running longer than this makes the replica unhealthy"
+    )
+    max_consecutive_step_failures: int = Field(
+        3, ge=1, description="this many engine steps in a row raising makes the replica unhealthy"
+    )
 
     @field_validator("initial_thresholds")
     @classmethod
@@ -98,7 +111,12 @@ class ControlConfig(_Section):
         None, description="candidate policy run beside the active one; logged, never applied"
     )
     history: int = Field(300, ge=1, le=100_000, description="(telemetry, decision) records kept for status")
-    stats_timeout_s: float = Field(2.0, gt=0, description="deadline for gathering replica stats per tick")
+    stats_timeout_s: float = Field(
+        2.0, gt=0, description="unused since replicas push their reports (kept so old configs still load)"
+    )
+    forget_replica_after_s: float = Field(
+        60.0, gt=0, description="a replica silent this long leaves status and the window's state"
+    )
 
 
 class ServeOptions(_Section):

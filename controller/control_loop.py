@@ -1,15 +1,24 @@
 """``FSDController``: the control loop (fast loop over T; Serve's autoscaler is the slow loop).
 
-Every ``control.interval_s`` seconds:
+The controller never calls a replica. Replicas push their reports (``report``, on their own timers,
+see :mod:`controller.replica`); the reply acknowledges what was counted and carries the current
+decision as a :class:`controller.protocol.ThresholdPush`. So reading stats and pushing T never take a
+request slot nor wait for an engine step, and a slow or dead replica costs only its own report.
 
-1. gather ``stats(drain=True)`` from every replica with ``DeploymentHandle.broadcast`` (replicas that
-   fail to answer in ``stats_timeout_s`` are skipped this tick);
-2. aggregate one :class:`policies.telemetry.Telemetry` window (:mod:`controller.telemetry_agg`);
-3. ask the active policy for a :class:`policies.decision.Decision` (a policy that raises leaves T where
+Every ``control.interval_s`` seconds (``tick``, which awaits nothing):
+
+1. fold the reports received since the previous tick into one :class:`policies.telemetry.Telemetry`
+   window (:mod:`controller.telemetry_agg`; exactly-once by sequence number);
+2. ask the active policy for a :class:`policies.decision.Decision` (a policy that raises leaves T where
    it was — the failure is logged and counted); ask the shadow policy too, and only record its answer;
-4. clamp the decision into the SLO's tier bounds and push it, with a version number and the SLO, to
-   every replica — every tick, changed or not: the push is idempotent, keeps the replicas' fail-safe
-   clock fresh, and brings replicas added by autoscaling or restarts to the current T within one tick.
+3. :func:`policies.tiers.apply_decision` turns it into the T per tier (the one place that clamps), and
+   a change bumps the version replicas receive with their next reply.
+
+Bumpless restart: a (re)started controller decides nothing until the first reports arrive, then
+resumes from the T the replicas hold (the safe T of replicas already in fail-safe) and seeds the
+policy's state with it; only then does it answer reports with a decision (a fresh replica reports its
+configured initial T; with no replica there is nothing to steer). The policy's ``FailSafe`` still sees
+the telemetry age and wins when the telemetry is really stale.
 
 The policy sees time only through ``Telemetry.time_s`` (seconds since this controller started, on its
 monotonic clock). SLO and policy changes from the admin API are validated (the new policy is built
@@ -22,20 +31,24 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from controller.config import FSDConfig, parse_config
 from controller.metrics import MetricsState
+from controller.protocol import ReplicaReport, ReplicaState, ReportReply, ThresholdPush
 from controller.telemetry_agg import TelemetryAggregator, Window
 from policies.base import Policy
 from policies.decision import Decision
 from policies.registry import DEFAULT_POLICY_SPEC
 from policies.slo import SLOSpec
-from policies.tiers import clamp_thresholds, safe_thresholds
+from policies.tiers import apply_decision, fraction_from_threshold
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,6 +90,8 @@ def _actor_name() -> str | None:
     try:
         import ray
 
+        if not ray.is_initialized():  # outside Ray (tests): asking would start a cluster
+            return None
         return ray.get_runtime_context().get_actor_name()
     except Exception:
         return None
@@ -86,13 +101,65 @@ def _decision_dict(decision: Decision | None) -> dict[str, Any] | None:
     if decision is None:
         return None
     return {"thresholds": dict(decision.thresholds), "draft_length": decision.draft_length,
-            "replicas": decision.replicas, "reason": decision.reason}
+            "draft_lengths": _decision_draft_lengths(decision), "replicas": decision.replicas,
+            "reason": decision.reason}
+
+
+def _decision_draft_lengths(decision: Decision) -> dict[str, int] | None:
+    """k per tier the decision asks for: ``Decision.draft_lengths`` where the policies have it, else the
+    single ``draft_length`` for every tier, else None (keep k)."""
+    per_tier = getattr(decision, "draft_lengths", None)
+    if per_tier:
+        return {str(name): int(k) for name, k in per_tier.items()}
+    return None if decision.draft_length is None else {"*": int(decision.draft_length)}
+
+
+def seed_policy(policy: Policy, slo: SLOSpec, thresholds: Mapping[str, float]) -> list[str]:
+    """Start a fresh policy's state at the T the replicas run (bumpless restart); the tiers seeded.
+
+    Walks the wrapper chain (``.inner``). A PID-style policy exposes ``controllers`` (tier → PID):
+    each PID's output and integral restart at the fraction of the tier's range the tier runs at.
+    Wrappers need nothing: with no memory of their own they read the running T from the telemetry.
+    Policies without such state (static, feed-forward, bandits) are left as they are.
+    """
+    seeded: list[str] = []
+    node: Any = policy
+    while node is not None:
+        controllers = getattr(node, "controllers", None)
+        if isinstance(controllers, Mapping):
+            for name, pid in controllers.items():
+                if name in thresholds and name in slo.tiers and hasattr(pid, "initial_output"):
+                    pid.initial_output = fraction_from_threshold(slo.tiers[name], float(thresholds[name]))
+                    pid.reset()
+                    seeded.append(str(name))
+        node = getattr(node, "inner", None)
+    return seeded
+
+
+def held_thresholds(states: Sequence[ReplicaState]) -> ReplicaState | None:
+    """The replica whose T a restarted controller resumes from: among replicas a controller has steered
+    (``epoch`` set), the one holding the newest decision of the most common epoch; else any replica."""
+    steered = [s for s in states if s.epoch is not None]
+    if not steered:
+        return states[0] if states else None
+    epochs = [s.epoch for s in steered]
+    common = max(set(epochs), key=epochs.count)
+    return max((s for s in steered if s.epoch == common), key=lambda s: s.version)
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
 
 
 class FSDController:
-    """See the module docstring. ``replicas`` is a DeploymentHandle to the FSDReplica deployment."""
+    """See the module docstring. ``replicas`` (the replica deployment's handle, bound by the app) is
+    kept for the autoscaling hook; the control loop itself never calls a replica."""
 
-    def __init__(self, config: Mapping[str, Any], replicas: Any) -> None:
+    def __init__(self, config: Mapping[str, Any], replicas: Any = None, start_loop: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``start_loop=False``: no timer; the owner calls :meth:`tick` (tests drive it tick by tick,
+        with their own ``clock``)."""
+        self._clock = clock
         self._cfg: FSDConfig = parse_config(dict(config))
         self._replicas = replicas
         self._slo = self._cfg.slo
@@ -101,29 +168,68 @@ class FSDController:
         self._shadow_spec: dict[str, Any] | None = None
         if self._cfg.control.shadow_policy is not None:
             self._shadow, self._shadow_spec = build_policy(self._cfg.control.shadow_policy, self._slo)
-        self._thresholds = safe_thresholds(self._slo)
-        self._thresholds.update(clamp_thresholds(self._slo, self._cfg.replica.initial_thresholds))
-        self._draft_length: int | None = None
+        self._thresholds = apply_decision(self._slo, {}, self._cfg.replica.initial_thresholds)
+        self._draft_lengths: dict[str, int] = dict.fromkeys(self._slo.tiers, self._cfg.model.num_draft_tokens)
         self._version = 0
+        self._decided_unix = time.time()
         # A restarted controller counts versions from 0 again; the epoch tells replicas it is a new one.
         self._epoch = uuid.uuid4().hex
+        self._resumed: dict[str, Any] | None = None  # where the T came from, once known
         self._interval = self._cfg.control.interval_s
-        self._aggregator = TelemetryAggregator(self._slo)
+        self._aggregator = TelemetryAggregator(self._slo, forget_after_s=self._cfg.control.forget_replica_after_s)
         self._metrics = MetricsState()
         self._history: deque[dict[str, Any]] = deque(maxlen=self._cfg.control.history)
-        self._t0 = time.monotonic()
-        self._last_tick = self._t0
-        self._last_report = self._t0  # when replica stats last arrived
+        self._t0 = clock()
+        self._last_tick = 0.0
         self._last_window: Window | None = None
         self._last_decision: Decision | None = None
         self._last_shadow: Decision | None = None
-        self._pending_rejections = 0
-        self._lock = asyncio.Lock()  # a tick and an admin change never interleave
+        self._ingress_rejections: dict[str, int] = {}
+        self._ingress_aborted: dict[str, int] = {}
+        self._lock = asyncio.Lock()  # an admin change never interleaves with itself
         self._paused = False
+        self._stopping = False
         self._problems: dict[str, str] = {}
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        logger.info("FSD controller up: interval %.2fs, policy %s, shadow %s", self._interval,
-                    self._policy_spec, self._shadow_spec)
+        # Cumulative, for status and the benchmark.
+        self._ticks = 0
+        self._failsafe_decisions = 0
+        self._reports_counted = 0
+        self._completions_counted = 0
+        self._push_latencies_ms: deque[float] = deque(maxlen=10_000)
+        self._max_telemetry_age_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+        if start_loop:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        logger.info("FSD controller up: interval %.2fs, policy %s, shadow %s, epoch %s", self._interval,
+                    self._policy_spec, self._shadow_spec, self._epoch)
+
+    def _now(self) -> float:
+        """Seconds since this controller started (its monotonic clock; the policy's time axis)."""
+        return self._clock() - self._t0
+
+    # ---- the control channel ---------------------------------------------------------------------
+
+    async def report(self, batch: list[ReplicaReport]) -> ReportReply:
+        """A replica's report batch (its unacknowledged reports). Counts each report once, answers with
+        the highest sequence number counted and the current decision (None until resumed)."""
+        acked = self._aggregator.receive(batch, self._now())
+        return ReportReply(acked_seq=acked, push=self._current_push())
+
+    def _current_push(self) -> ThresholdPush | None:
+        if (self._resumed is None or self._paused) and not self._stopping:
+            return None
+        return ThresholdPush(epoch=self._epoch, version=self._version, thresholds=dict(self._thresholds),
+                             draft_lengths=dict(self._draft_lengths), slo=self._slo,
+                             decided_unix=self._decided_unix, stopping=self._stopping)
+
+    def begin_shutdown(self) -> bool:
+        """The service is stopping: every reply from now on tells replicas to fail what they run with an
+        explicit error and to refuse new requests (so streams end with an error event, not a cut
+        connection, before Serve tears the proxies down)."""
+        if not self._stopping:
+            logger.warning("FSD controller: service stopping; replicas will cancel in-flight requests")
+        self._stopping = True
+        return True
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -132,44 +238,14 @@ class FSDController:
         while True:
             await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
             next_tick += self._interval
-            if time.monotonic() > next_tick:  # overran (slow gather): skip missed ticks, don't burst
+            if time.monotonic() > next_tick:  # overran: skip missed ticks, don't burst
                 next_tick = time.monotonic() + self._interval
             if self._paused:
                 continue
             try:
-                async with self._lock:
-                    await self._tick()
-            except asyncio.CancelledError:
-                raise
+                self.tick()
             except Exception:
                 logger.exception("control tick failed; thresholds unchanged")
-
-    async def _gather(self) -> list[dict[str, Any]]:
-        try:
-            response = self._replicas.broadcast("stats", drain=True)
-            results = await response.results_async(timeout_s=self._cfg.control.stats_timeout_s,
-                                                   return_exceptions=True)
-        except Exception as exc:  # no replica running (yet), or the whole gather timed out
-            self._log_once("gather", f"replica stats gather failed: {type(exc).__name__}: {exc}")
-            return []
-        self._log_once("gather", None)
-        reports = [r for r in results if isinstance(r, dict)]
-        failed = len(results) - len(reports)
-        if failed:
-            logger.warning("%d of %d replicas did not report this tick", failed, len(results))
-        return reports
-
-    async def _push(self) -> None:
-        try:
-            response = self._replicas.broadcast(
-                "set_thresholds", dict(self._thresholds), self._version,
-                self._slo.model_dump(mode="json"), self._draft_length, self._epoch,
-            )
-            await response.results_async(timeout_s=self._cfg.control.stats_timeout_s, return_exceptions=True)
-        except Exception as exc:
-            self._log_once("push", f"threshold push failed: {type(exc).__name__}: {exc}")
-            return
-        self._log_once("push", None)
 
     def _log_once(self, key: str, problem: str | None) -> None:
         """Log a problem when it starts and when it clears, not on every tick it persists."""
@@ -183,18 +259,50 @@ class FSDController:
         else:
             self._problems[key] = problem
 
-    async def _tick(self) -> None:
-        reports = await self._gather()
-        now = time.monotonic()
-        if reports:
-            self._last_report = now
+    def _try_resume(self, now: float) -> bool:
+        """Adopt the T the replicas hold (bumpless restart); True once resumed."""
+        if self._resumed is not None:
+            return True
+        states = [state for _, state in self._aggregator.live_states(now)]
+        source = held_thresholds(states)
+        if source is None:
+            # Nobody to steer yet (replicas still loading, or none): deciding on empty telemetry would
+            # only record fail-safe decisions. A fresh replica reports its configured initial T.
+            return False
+        held = {n: t for n, t in source.thresholds.items() if n in self._slo.tiers}
+        self._thresholds = apply_decision(self._slo, self._thresholds, held)
+        self._draft_lengths.update({n: k for n, k in source.draft_lengths.items() if n in self._slo.tiers})
+        self._resumed = {"from": "replicas", "replica_id": source.replica_id, "epoch": source.epoch,
+                         "version": source.version, "failsafe": source.failsafe,
+                         "thresholds": dict(self._thresholds)}
+        seeded = seed_policy(self._policy, self._slo, self._thresholds)
+        # The first window after resuming spans one interval, not the controller's whole start-up: a
+        # policy's rate limits then allow one interval's move from the resumed T.
+        self._last_tick = max(self._last_tick, now - self._interval)
+        self._resumed["seeded_tiers"] = seeded
+        self._decided_unix = time.time()
+        logger.info("FSD controller resumed: %s", self._resumed)
+        return True
+
+    def tick(self) -> Window | None:
+        """One control step (see the module docstring); the window, or None while waiting to resume."""
+        now = self._now()
+        if not self._try_resume(now):
+            return None
         window_s = max(now - self._last_tick, 1e-3)
         self._last_tick = now
-        rejections, self._pending_rejections = self._pending_rejections, 0
-        window = self._aggregator.window(
-            reports, now_s=now - self._t0, window_s=window_s, age_s=now - self._last_report,
-            thresholds=self._thresholds, extra_rejections=rejections,
-        )
+        age = self._aggregator.age_s(now, since_s=0.0)
+        rejections, self._ingress_rejections = self._ingress_rejections, {}
+        aborted, self._ingress_aborted = self._ingress_aborted, {}
+        window = self._aggregator.window(now_s=now, window_s=window_s, age_s=age, thresholds=self._thresholds,
+                                         ingress_rejections=rejections, ingress_aborted=aborted)
+        self._ticks += 1
+        self._reports_counted += window.reports
+        self._completions_counted += window.telemetry.completions
+        self._push_latencies_ms.extend(window.push_latencies_ms)
+        live_ages = [r["telemetry_age_s"] for r in window.replicas]
+        if live_ages:
+            self._max_telemetry_age_s = max(self._max_telemetry_age_s, max(live_ages))
         decision: Decision | None = None
         try:
             decision = self._policy.decide(window.telemetry)
@@ -202,14 +310,9 @@ class FSDController:
             self._metrics.policy_errors += 1
             logger.exception("policy %s raised; thresholds held", self._policy_spec)
         if decision is not None:
-            proposed = dict(self._thresholds)
-            proposed.update(decision.thresholds)
-            new = clamp_thresholds(self._slo, proposed)
-            if new != self._thresholds or decision.draft_length not in (None, self._draft_length):
-                self._version += 1
-            self._thresholds = new
-            if decision.draft_length is not None:
-                self._draft_length = decision.draft_length
+            if decision.reason.startswith("fail-safe"):
+                self._failsafe_decisions += 1
+            self._apply(decision)
         shadow: Decision | None = None
         if self._shadow is not None:
             try:
@@ -222,17 +325,33 @@ class FSDController:
         self._history.append({
             "time_s": window.telemetry.time_s,
             "thresholds": dict(self._thresholds),
+            "draft_lengths": dict(self._draft_lengths),
             "version": self._version,
             "decision": _decision_dict(decision),
             "shadow_decision": _decision_dict(shadow),
             "telemetry": _jsonable(window.telemetry),
         })
-        await self._push()
+        return window
+
+    def _apply(self, decision: Decision) -> None:
+        new = apply_decision(self._slo, self._thresholds, decision.thresholds)
+        lengths = dict(self._draft_lengths)
+        asked = _decision_draft_lengths(decision)
+        if asked is not None:
+            default = asked.pop("*", None)
+            if default is not None:
+                lengths = dict.fromkeys(self._slo.tiers, default)
+            lengths.update({n: k for n, k in asked.items() if n in self._slo.tiers and k >= 0})
+        if new != self._thresholds or lengths != self._draft_lengths:
+            self._version += 1
+            self._decided_unix = time.time()
+        self._thresholds, self._draft_lengths = new, lengths
 
     # ---- admin -----------------------------------------------------------------------------------
 
     async def set_slo(self, slo: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate a new SLOSpec (and the policies rebuilt against it), then swap and push at once."""
+        """Validate a new SLOSpec (and the policies rebuilt against it), then swap; replicas receive it
+        with their next reply."""
         from pydantic import ValidationError
 
         from fsd_common.validation import format_validation_error
@@ -247,11 +366,14 @@ class FSDController:
             self._slo = new_slo
             self._aggregator.slo = new_slo
             self._policy, self._policy_spec, self._shadow = policy, spec, shadow
-            base = safe_thresholds(new_slo)
-            base.update(clamp_thresholds(new_slo, {k: v for k, v in self._thresholds.items() if k in new_slo.tiers}))
-            self._thresholds = base
+            self._thresholds = apply_decision(
+                new_slo, {k: v for k, v in self._thresholds.items() if k in new_slo.tiers}, {}
+            )
+            default_k = self._cfg.model.num_draft_tokens
+            self._draft_lengths = {n: self._draft_lengths.get(n, default_k) for n in new_slo.tiers}
+            seed_policy(self._policy, new_slo, self._thresholds)
             self._version += 1
-            await self._push()
+            self._decided_unix = time.time()
         logger.info("SLO replaced (version %d): %s", self._version, new_slo.model_dump(mode="json"))
         return self.status(history=0)
 
@@ -268,6 +390,7 @@ class FSDController:
             if shadow:
                 self._shadow, self._shadow_spec = policy, normalised
             else:
+                seed_policy(policy, self._slo, self._thresholds)
                 self._policy, self._policy_spec = policy, normalised
         logger.info("%s policy replaced: %s", "shadow" if shadow else "active", normalised)
         return self.status(history=0)
@@ -284,40 +407,66 @@ class FSDController:
             previous, self._policy, self._policy_spec = self._policy_spec, policy, spec
             self._shadow, self._shadow_spec, self._last_shadow = None, None, None
             telemetry = _jsonable(self._last_window.telemetry) if self._last_window is not None else None
-            self._history.append(promotion_record(time.monotonic() - self._t0, self._thresholds, self._version,
+            self._history.append(promotion_record(self._clock() - self._t0, self._thresholds, self._version,
                                                   spec, previous, telemetry))
         logger.info("shadow policy promoted to active: %s (was %s)", spec, previous)
         return self.status(history=1)
 
-    def record_rejections(self, count: int = 1) -> None:
-        """Requests the ingress refused for overload before any replica saw them."""
-        self._pending_rejections += max(0, int(count))
+    def record_rejections(self, count: int = 1, tier: str | None = None) -> None:
+        """Requests the ingress refused (503) before any replica saw them: SLO misses of ``tier``."""
+        name = tier if tier is not None else self._slo.default_tier
+        self._ingress_rejections[name] = self._ingress_rejections.get(name, 0) + max(0, int(count))
+
+    def record_aborted(self, count: int = 1, tier: str | None = None) -> None:
+        """Requests the ingress gave up on (504) before any replica answered: SLO misses of ``tier``."""
+        name = tier if tier is not None else self._slo.default_tier
+        self._ingress_aborted[name] = self._ingress_aborted.get(name, 0) + max(0, int(count))
 
     def pause(self, paused: bool = True) -> bool:
-        """Stop/restart deciding and pushing (tests use it to exercise the replicas' fail-safe)."""
+        """Stop/restart deciding and answering with decisions (tests exercise the replicas' fail-safe)."""
         self._paused = paused
         return self._paused
 
     # ---- observability ---------------------------------------------------------------------------
 
+    def control_stats(self) -> dict[str, Any]:
+        """Health of the control channel itself (status and the control-plane benchmark read it)."""
+        latencies = list(self._push_latencies_ms)
+        return {
+            "ticks": self._ticks,
+            "reports_counted": self._reports_counted,
+            "completions_counted": self._completions_counted,
+            "failsafe_decisions": self._failsafe_decisions,
+            "max_replica_telemetry_age_s": self._max_telemetry_age_s,
+            "push_latency_ms": {"count": len(latencies), "p50": _percentile(latencies, 50),
+                                "p99": _percentile(latencies, 99),
+                                "max": max(latencies) if latencies else None},
+        }
+
     def status(self, history: int = 50) -> dict[str, Any]:
         window = self._last_window
+        now = self._now()
         return {
             "thresholds": dict(self._thresholds),
+            "draft_lengths": dict(self._draft_lengths),
             "version": self._version,
             "epoch": self._epoch,
+            "resumed": _jsonable(self._resumed),
             "actor_name": _actor_name(),
-            "draft_length": self._draft_length,
+            "pid": os.getpid(),
             "interval_s": self._interval,
             "paused": self._paused,
-            "time_s": time.monotonic() - self._t0,
+            "time_s": now,
+            "telemetry_age_s": self._aggregator.age_s(now, since_s=0.0),
+            "control": _jsonable(self.control_stats()),
             "slo": self._slo.model_dump(mode="json"),
             "policy": describe_policy(self._policy, self._policy_spec),
             "shadow_policy": describe_policy(self._shadow, self._shadow_spec),
             "last_decision": _decision_dict(self._last_decision),
             "last_shadow_decision": _decision_dict(self._last_shadow),
             "telemetry": _jsonable(window.telemetry) if window is not None else None,
-            "replicas": window.replicas if window is not None else [],
+            "replicas": [_jsonable({**dataclasses.asdict(state), "telemetry_age_s": age})
+                         for age, state in self._aggregator.live_states(now)],
             "history": list(self._history)[-history:] if history > 0 else [],
         }
 
@@ -325,5 +474,5 @@ class FSDController:
         return self._metrics.render()
 
     def check_health(self) -> None:
-        if self._task.done():
+        if self._task is not None and self._task.done():
             raise RuntimeError(f"control loop stopped: {self._task.exception()!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
 import time
 from typing import Any
 
@@ -69,6 +71,8 @@ def init_local_ray(attempts: int = 3, **init_kwargs: Any) -> None:
             logger.warning("local Ray cluster did not run a task (attempt %d/%d); restarting it", attempt,
                            attempts, exc_info=True)
         ray.shutdown()
+        # The failed attempt's processes (GCS, raylet, agents) carry a session named after this pid.
+        kill_session_leftovers(re.compile(rf"session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{os.getpid()}(?!\d)"))
 
 
 def start_serve(http_options: dict[str, Any], proxy_location: str | None = None, attempts: int = 3) -> None:
@@ -127,7 +131,9 @@ class Service:
 
         from controller.app import build_app
 
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         apply_slow_machine_env()
+        handlers = _python_signal_handlers()
         init_kwargs: dict[str, Any] = {"log_to_driver": not self.quiet}
         if self.address:
             ray.init(address=self.address, **init_kwargs)
@@ -138,6 +144,7 @@ class Service:
                 init_kwargs["object_store_memory"] = self.cfg.ray.object_store_memory
             init_local_ray(**init_kwargs)
             self._own_cluster = True
+        _restore_signal_handlers(handlers)
         self._started = True
         start_serve({"host": self.cfg.http.host, "port": self.cfg.http.port},
                     proxy_location=self.cfg.http.proxy_location)
@@ -158,21 +165,51 @@ class Service:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        """Tear down what :meth:`start` started. Serve's graceful shutdown lets in-flight requests finish
+        for ``graceful_shutdown_timeout_s``; a replica stopped after that fails what it still runs with
+        an explicit error ("replica is shutting down"). On a cluster of our own, ``ray.shutdown()``
+        always runs, and Ray processes of this session that outlive it are killed."""
         if not self._started:
             return
         import ray
         from ray import serve
 
+        session = _session_name() if self._own_cluster else None
+        try:
+            self._cancel_in_flight()
+        except BaseException:  # best effort: the teardown below runs regardless
+            logger.warning("cancelling in-flight requests failed", exc_info=True)
         try:
             if self._own_cluster:
                 serve.shutdown()
             else:
                 serve.delete(self.cfg.serve.app_name)
-        except Exception:  # shutting down anyway; Ray's own teardown still runs below
+        except BaseException:  # shutting down anyway (even on a second Ctrl-C); Ray's teardown still runs
             logger.warning("serve teardown raised", exc_info=True)
         finally:
             ray.shutdown()
             self._started = False
+            if session is not None:
+                kill_session_leftovers(session)
+
+    def _cancel_in_flight(self, settle_s: float = 1.0) -> None:
+        """Tell the replicas (through the controller's next replies) to fail in-flight requests with an
+        explicit error, and wait until every replica reports it did — bounded by a few control
+        intervals — plus ``settle_s`` for the ingress to send the final events."""
+        from ray import serve
+
+        from controller.protocol import CONTROLLER_DEPLOYMENT
+
+        controller = serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, self.cfg.serve.app_name)
+        controller.begin_shutdown.remote().result(timeout_s=10)
+        interval = self.cfg.replica.report_interval_s or self.cfg.control.interval_s
+        deadline = time.monotonic() + 3 * interval + 5.0
+        while time.monotonic() < deadline:
+            replicas = controller.status.remote(history=0).result(timeout_s=10)["replicas"]
+            if all(r["stopping"] and r["in_flight"] == 0 for r in replicas):
+                break
+            time.sleep(min(0.2, interval))
+        time.sleep(settle_s)
 
     def __enter__(self) -> Service:
         self.start()
@@ -180,3 +217,81 @@ class Service:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _session_name() -> str | None:
+    """This driver's Ray session directory name (``session_<date>_<pid>``), or None."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        return os.path.basename(node.get_session_dir_path()) if node is not None else None
+    except Exception:
+        return None
+
+
+def kill_session_leftovers(session: str | re.Pattern[str], grace_s: float = 5.0) -> list[int]:
+    """Kill the processes of Ray session ``session`` still alive after ``ray.shutdown()``.
+
+    Some of Ray's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) ignore SIGTERM and outlive
+    the raylet; they carry the session directory on their command line, which is how only *this*
+    session's processes are matched (another cluster on the machine is never touched). SIGTERM, then
+    SIGKILL after ``grace_s``. Returns the pids signalled.
+    """
+    me = os.getpid()
+    victims: list[int] = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not ours to read
+            continue
+        if (session.search(cmdline) is not None) if isinstance(session, re.Pattern) else (session in cmdline):
+            victims.append(int(entry))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [pid for pid in victims if _signal(pid, sig)]
+        deadline = time.monotonic() + grace_s
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in alive if _signal(pid, 0)]
+        if not alive:
+            break
+    if victims:
+        logger.info("killed %d leftover Ray process(es) of %s", len(victims), session)
+    return victims
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send ``sig`` (0: just probe); False when the process is gone (a zombie child is reaped)."""
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:  # not our child
+        pass
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def _python_signal_handlers() -> dict[int, Any]:
+    """SIGINT/SIGTERM handlers as Python sees them (main thread only; elsewhere nothing to keep)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signal_handlers(handlers: dict[int, Any]) -> None:
+    """``ray.init`` installs a native fatal-signal handler for SIGTERM that aborts the driver (exit -6)
+    part-way through a teardown; give the signals back to the handlers the caller had installed."""
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)

@@ -3,7 +3,8 @@
 No config file ⇒ the default pair (smollm2-135m), ``SLOSpec.default()`` and the default SLO policy (PID
 wrapped in QualityGuard + FailSafe) on 127.0.0.1:8000. With ``--address`` (or ``$RAY_ADDRESS``) the app
 is deployed onto that existing cluster; otherwise a local one is started (``ray.num_cpus`` CPUs).
-Runs until Ctrl-C / SIGTERM, then tears everything it started down.
+Runs until SIGINT (Ctrl-C, or ``kill -INT <pid>`` — handled explicitly, since a shell starts background
+jobs with SIGINT ignored) or SIGTERM, then tears everything it started down and exits 0.
 
 Checked before Ray starts, each failing with one line naming the problem and exit code 2: the config
 (missing, a directory, unreadable, not YAML, an invalid field), the HTTP port (already in use, local
@@ -124,10 +125,26 @@ def handle(args: argparse.Namespace) -> int:
         check_port_free(cfg.http.host, cfg.http.port)
     check_pair_available(cfg.model.pair, local=not address)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        if not stop.is_set():
+            print(f"fsd serve: {signal.Signals(signum).name} received; stopping", flush=True)
+        stop.set()
+
+    def install_handlers() -> None:
+        # Both signals set the same event; the main thread then shuts down in order (never from a
+        # handler). Installed again once Ray is up: ray.init puts in its own fatal-signal handler for
+        # SIGTERM, which aborts the process (exit -6) after the teardown started.
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    install_handlers()
     service = Service(cfg, address=address)
     try:
         url = service.start()
+        install_handlers()
+        if stop.is_set():  # a signal arrived while starting
+            return 0
         print(f"fsd serve: {cfg.model.pair} on {url}  (OpenAI API: {url}/v1/completions, "
               f"status: {url}/v1/fsd/status, metrics: {url}/metrics)", flush=True)
         if args.detach:
@@ -144,5 +161,9 @@ def handle(args: argparse.Namespace) -> int:
     finally:
         if not args.detach:
             print("fsd serve: shutting down", flush=True)
+            # A second signal while tearing down must not abort the teardown half-way.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             service.stop()
+            print("fsd serve: stopped", flush=True)
     return 0

@@ -104,14 +104,17 @@ def normalised_slack(
 def attainment(telemetry: Telemetry, tier_name: str) -> float:
     """Share of the tier's finished-or-rejected requests in this window that met every target.
 
-    Rejections count as misses; when the telemetry only reports rejections in aggregate they are
-    attributed to the tier in proportion to its completions. NaN when nothing finished.
+    Rejected and aborted requests count as misses: the tier's own (``TierWindow.rejections`` and
+    ``aborted``), and rejections reported only in aggregate are attributed to the tier in proportion to
+    its completions. NaN when nothing of the tier finished or was refused.
     """
     window = _tier_window(telemetry, tier_name)
-    if window is None or window.completions <= 0:
+    if window is None or window.completions + window.misses_unanswered <= 0:
         return math.nan
-    rejected = telemetry.rejections * window.completions / max(1, telemetry.completions)
-    return window.slo_met / (window.completions + rejected)
+    attributed = sum(t.rejections for t in telemetry.tiers.values())
+    unattributed = max(0, telemetry.rejections - attributed)
+    rejected = unattributed * window.completions / max(1, telemetry.completions)
+    return window.slo_met / (window.completions + window.misses_unanswered + rejected)
 
 
 def tier_distortion(telemetry: Telemetry, tier_name: str) -> float:

@@ -55,6 +55,11 @@ class TierWindow:
     output_tokens: int = 0
     draft_length: int | None = None  # k the tier ran at (None: not reported)
     sequence_iterations: int = 0  # decode steps the tier's sequences took part in (one per row per step)
+    #: Requests of this tier that arrived, and that ended without an answer: refused (503) and
+    #: aborted / timed out / failed (504, client gone, engine error). Both count as SLO misses.
+    arrivals: int = 0
+    rejections: int = 0
+    aborted: int = 0
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -62,6 +67,11 @@ class TierWindow:
         if self.sequence_iterations <= 0:
             return math.nan
         return self.output_tokens / self.sequence_iterations
+
+    @property
+    def misses_unanswered(self) -> int:
+        """Requests of the tier that got no answer (rejected or aborted): misses for attainment."""
+        return self.rejections + self.aborted
 
     def latency(self, metric: LatencyMetric) -> LatencySummary:
         return {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[metric]

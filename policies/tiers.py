@@ -7,6 +7,7 @@ means the same thing for a tier capped at T = 1 and one capped at T = 4.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from policies.slo import SLOSpec, TierSLO
@@ -89,3 +90,36 @@ def resolve_tiers(slo: SLOSpec, tiers: str | list[str] | tuple[str, ...] | None)
                 "a policy cannot control it"
             )
     return names
+
+
+def apply_decision(slo: SLOSpec, current: Mapping[str, float], proposed: Mapping[str, float]) -> dict[str, float]:
+    """The one place a decision becomes the T per tier that runs: ``current`` (every tier; missing
+    tiers start at their safe T) updated with ``proposed``, clamped into each tier's bounds, pins
+    enforced. The live controller and the simulator both call this; nothing else clamps a decision.
+    Unknown tier names in ``proposed`` raise ValueError naming them."""
+    out = safe_thresholds(slo)
+    out.update({name: t for name, t in current.items() if name in slo.tiers})
+    out.update(proposed)
+    return clamp_thresholds(slo, out)
+
+
+def request_threshold(
+    slo: SLOSpec, tier_name: str, tier_thresholds: Mapping[str, float], override: float | None
+) -> float:
+    """T one request runs at: its own ``override`` (which must lie within the tier's bounds — a request
+    may pick its T, not leave the tier's range), else the tier's current T. ValueError naming the
+    offending value for an unknown tier or an override that is not finite or out of bounds."""
+    tier = slo.tier(tier_name)  # ValueError naming an unknown tier
+    if override is None:
+        return tier.clamp(float(tier_thresholds.get(tier_name, tier.safe_threshold)))
+    threshold = float(override)
+    if not math.isfinite(threshold):
+        raise ValueError(f"threshold must be finite, got {threshold}")
+    low, high = (
+        (tier.fixed_threshold, tier.fixed_threshold)
+        if tier.fixed_threshold is not None
+        else (tier.min_threshold, tier.max_threshold)
+    )
+    if not low <= threshold <= high:
+        raise ValueError(f"threshold {threshold} outside tier {tier_name!r} bounds [{low}, {high}]")
+    return threshold

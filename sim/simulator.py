@@ -22,7 +22,7 @@ from policies.base import Policy
 from policies.decision import Decision
 from policies.slo import SLOSpec
 from policies.telemetry import Telemetry
-from policies.tiers import clamp_thresholds
+from policies.tiers import apply_decision
 from sim.autoscaler import Autoscaler, AutoscalerConfig
 from sim.entities import EventCounters, RequestTable, WindowBins
 from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
@@ -309,7 +309,7 @@ class Simulator:
 
     def on_apply_decision(self, now: float, decision: Decision) -> list[Event]:
         changed_tiers: set[int] = set()
-        new = clamp_thresholds(self.slo, dict(decision.thresholds))
+        new = apply_decision(self.slo, self.thresholds, decision.thresholds)
         for name, t in new.items():
             if t != self.thresholds[name]:
                 self.thresholds[name] = t

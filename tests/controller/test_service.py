@@ -282,7 +282,9 @@ def test_policy_change_and_shadow_mode(client: httpx.Client) -> None:
     assert st["shadow_policy"] is not None
     _wait(lambda: (_status(client)["last_shadow_decision"] or {}).get("thresholds", {}).get("standard") == 0.9,
           10, "the shadow decision to be recorded")
-    # Replicas run at the active T.
+    # Replicas run at the active T (it reaches them with the reply to their next report).
+    _wait(lambda: all(x["thresholds"]["economy"] == 1.5 for x in _status(client)["replicas"]), 10,
+          "replicas to receive the active T")
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "fsd": {"tier": "economy"}})
     assert r.json()["fsd"]["threshold"] == 1.5
     r = client.put("/v1/fsd/policy", params={"shadow": True}, content=b"null",
@@ -396,7 +398,7 @@ def _replica_stats() -> list[dict[str, Any]]:
     from ray import serve
 
     handle = serve.get_deployment_handle("FSDReplica", APP)
-    return list(handle.broadcast("stats", drain=False).results(timeout_s=10))
+    return list(handle.broadcast("stats").results(timeout_s=10))
 
 
 def test_failsafe_when_controller_dies(client: httpx.Client) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from controller.batching import BatchingLoop, TokenEvent
+from controller.batching import BatchingLoop, ReplicaCounters, RequestRecord, TokenEvent
 from controller.config import FSDConfig, load_config, parse_config
 from controller.metrics import MetricsState
+from controller.protocol import ReplicaReport, ReplicaState
 from controller.telemetry_agg import TelemetryAggregator, request_met_slo
 from policies.slo import SLOSpec
 
@@ -68,39 +69,53 @@ def test_config_file_errors(tmp_path: Path) -> None:
 # ---- telemetry aggregation ---------------------------------------------------------------------
 
 
-def _report(rid: str, counters: dict[str, Any], records: list[dict[str, Any]] | None = None, **kw: Any) -> dict[str, Any]:
-    base = {"arrivals": 0, "completions": 0, "drafted": 0, "accepted": 0, "output_tokens": 0, "distortion": 0.0,
-            "row_iterations": 0, "per_tier": {}}
-    base.update(counters)
-    return {"replica_id": rid, "counters": base, "records": records or [], "queue_depth": kw.get("queue", 0),
-            "in_flight": kw.get("in_flight", 0), "draft_length": 4,
-            "thresholds": kw.get("thresholds", {"standard": 0.2, "economy": 0.5, "lossless": 0.0})}
+def _state(rid: str, **kw: Any) -> ReplicaState:
+    base: dict[str, Any] = dict(
+        replica_id=rid, actor_name=None, node_id=None, pid=1, pair="tiny", uptime_s=1.0, queue_depth=0,
+        in_flight=0, running=0, engine_alive=True, engine_problem=None,
+        thresholds={"standard": 0.2, "economy": 0.5, "lossless": 0.0},
+        controlled_thresholds={"standard": 0.2, "economy": 0.5, "lossless": 0.0},
+        draft_lengths={"standard": 4, "economy": 4, "lossless": 4}, epoch=None, version=-1, failsafe=False,
+        failsafe_events=0, last_update_age_s=None,
+    )
+    base.update(kw)
+    return ReplicaState(**base)
 
 
-def _record(tier: str, tpot: float, e2e: float = 100.0) -> dict[str, Any]:
-    return {"tier": tier, "ttft_ms": 10.0, "tpot_ms": tpot, "e2e_ms": e2e, "output_tokens": 8,
-            "distortion": 0.0, "threshold": 0.2, "finish_reason": "length"}
+def _report(rid: str, seq: int, counters: dict[str, Any], records: list[RequestRecord] | None = None,
+            incarnation: str | None = None, **state: Any) -> ReplicaReport:
+    return ReplicaReport(incarnation=incarnation or f"inc-{rid}", seq=seq, sent_unix=0.0,
+                         counters=ReplicaCounters(**counters), records=tuple(records or ()),
+                         state=_state(rid, **state))
 
 
-def test_window_counts_deltas_per_replica_and_new_replicas_fully() -> None:
+def _record(tier: str, tpot: float, e2e: float = 100.0) -> RequestRecord:
+    return RequestRecord(tier=tier, ttft_ms=10.0, tpot_ms=tpot, e2e_ms=e2e, output_tokens=8, distortion=0.0,
+                         threshold=0.2, finish_reason="length")
+
+
+def test_window_adds_deltas_and_counts_each_report_once() -> None:
     agg = TelemetryAggregator(SLOSpec.default())
     t = {"standard": 0.2}
-    w1 = agg.window([_report("a", {"drafted": 40, "accepted": 20, "output_tokens": 30, "row_iterations": 10})],
-                    now_s=1.0, window_s=1.0, age_s=0.0, thresholds=t)
+    r1 = _report("a", 1, {"drafted": 40, "accepted": 20, "output_tokens": 30, "row_iterations": 10})
+    assert agg.receive([r1], now_s=0.5) == 1
+    w1 = agg.window(now_s=1.0, window_s=1.0, age_s=0.0, thresholds=t)
     assert w1.telemetry.acceptance_rate == pytest.approx(0.5)
     assert w1.telemetry.mean_accepted_per_iter == pytest.approx(3.0)
-    w2 = agg.window(
-        [_report("a", {"drafted": 60, "accepted": 40, "output_tokens": 50, "row_iterations": 15}),
-         _report("b", {"drafted": 10, "accepted": 0, "output_tokens": 5, "row_iterations": 5})],
-        now_s=2.0, window_s=1.0, age_s=0.0, thresholds=t,
-    )
-    assert w2.deltas["drafted"] == 30 and w2.deltas["accepted"] == 20
+    # Replica "a" re-sends report 1 (its acknowledgement was lost) with report 2: only 2 counts.
+    r2 = _report("a", 2, {"drafted": 20, "accepted": 20, "output_tokens": 20, "row_iterations": 5})
+    assert agg.receive([r1, r2], now_s=1.5) == 2
+    assert agg.receive([_report("b", 1, {"drafted": 10, "output_tokens": 5, "row_iterations": 5})], 1.6) == 1
+    w2 = agg.window(now_s=2.0, window_s=1.0, age_s=0.0, thresholds=t)
+    assert w2.deltas["drafted"] == 30 and w2.deltas["accepted"] == 20 and w2.reports == 2
     assert w2.telemetry.acceptance_rate == pytest.approx(20 / 30)
     assert w2.telemetry.output_tokens == 25 and w2.telemetry.replicas == 2
-    # Replica "a" restarted under the same id: its counters start over, counted from zero.
-    w3 = agg.window([_report("a", {"drafted": 8, "accepted": 4, "output_tokens": 6, "row_iterations": 2})],
-                    now_s=3.0, window_s=1.0, age_s=0.0, thresholds=t)
-    assert w3.deltas["drafted"] == 8
+    # A window without reports counts nothing; a restarted "a" (new incarnation) starts at seq 1 again.
+    assert agg.window(now_s=3.0, window_s=1.0, age_s=0.0, thresholds=t).deltas["drafted"] == 0
+    assert agg.receive([_report("a", 1, {"drafted": 8}, incarnation="inc-a-2", pid=2)], now_s=3.5) == 1
+    assert agg.window(now_s=4.0, window_s=1.0, age_s=0.0, thresholds=t).deltas["drafted"] == 8
+    with pytest.raises(ValueError, match="one replica incarnation"):
+        agg.receive([_report("a", 3, {}), _report("b", 3, {})], now_s=5.0)
 
 
 def test_window_slo_met_and_latency_from_records() -> None:
@@ -108,8 +123,8 @@ def test_window_slo_met_and_latency_from_records() -> None:
     agg = TelemetryAggregator(slo)
     records = [_record("standard", 50.0), _record("standard", 70.0), _record("economy", 70.0),
                _record("economy", 130.0), _record("economy", 20.0)]
-    w = agg.window([_report("a", {"completions": 5}, records)], now_s=1.0, window_s=2.0, age_s=0.1,
-                   thresholds={"standard": 0.2})
+    agg.receive([_report("a", 1, {"completions": 5}, records)], now_s=0.9)
+    w = agg.window(now_s=1.0, window_s=2.0, age_s=0.1, thresholds={"standard": 0.2})
     std, eco = w.telemetry.tiers["standard"], w.telemetry.tiers["economy"]
     assert (std.completions, std.slo_met) == (2, 1)
     assert (eco.completions, eco.slo_met) == (3, 2)
@@ -118,6 +133,26 @@ def test_window_slo_met_and_latency_from_records() -> None:
     assert w.telemetry.tiers["lossless"].completions == 0 and math.isnan(w.telemetry.tiers["lossless"].tpot.p95_ms)
     assert w.telemetry.completions == 5 and w.telemetry.window_s == 2.0 and w.telemetry.age_s == 0.1
     assert std.threshold == 0.2  # what the replicas report
+
+
+def test_unanswered_requests_are_misses_of_their_tier() -> None:
+    from policies.signals import attainment
+
+    slo = SLOSpec.default()
+    agg = TelemetryAggregator(slo)
+    counters = ReplicaCounters(completions=2, rejections=1, aborted=1)
+    counters.tier("economy").completions = 2
+    counters.tier("economy").rejections = 1
+    counters.tier("economy").aborted = 1
+    report = ReplicaReport(incarnation="i", seq=1, sent_unix=0.0, counters=counters,
+                           records=(_record("economy", 10.0), _record("economy", 10.0)), state=_state("a"))
+    agg.receive([report], now_s=0.5)
+    w = agg.window(now_s=1.0, window_s=1.0, age_s=0.0, thresholds={}, ingress_rejections={"economy": 1},
+                   ingress_aborted={"economy": 1})
+    eco = w.telemetry.tiers["economy"]
+    assert (eco.completions, eco.slo_met, eco.rejections, eco.aborted) == (2, 2, 2, 2)
+    assert attainment(w.telemetry, "economy") == pytest.approx(2 / 6), "503/504/aborted are misses"
+    assert math.isnan(attainment(w.telemetry, "standard"))
 
 
 def test_request_met_slo_requires_every_target() -> None:
@@ -132,8 +167,8 @@ def test_metrics_render_is_exact_prometheus() -> None:
     agg = TelemetryAggregator(SLOSpec.default())
     state = MetricsState()
     records = [_record("standard", 50.0, e2e=120.0), _record("standard", 70.0, e2e=2500.0)]
-    w = agg.window([_report("a", {"completions": 2, "output_tokens": 16}, records)], now_s=1.0, window_s=1.0,
-                   age_s=0.0, thresholds={"standard": 0.3})
+    agg.receive([_report("a", 1, {"completions": 2, "output_tokens": 16}, records)], now_s=0.5)
+    w = agg.window(now_s=1.0, window_s=1.0, age_s=0.0, thresholds={"standard": 0.3})
     state.update(w, {"standard": 0.3, "economy": 0.0, "lossless": 0.0})
     fams = {f.name: f for f in text_string_to_metric_families(state.render().decode())}
     assert {s.labels["tier"]: s.value for s in fams["fsd_threshold"].samples}["standard"] == 0.3
@@ -158,9 +193,9 @@ def engine() -> Any:
 
 
 def _collect(loop: BatchingLoop, rid: str, prompt: list[int], params: Any, tier: str = "standard",
-             override: float | None = None) -> queue.SimpleQueue[TokenEvent]:
+             threshold: float | None = None) -> queue.SimpleQueue[TokenEvent]:
     q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-    loop.submit(rid, prompt, params, tier, override, q.put)
+    loop.submit(rid, prompt, params, tier, threshold, q.put)
     return q
 
 
@@ -181,7 +216,7 @@ def test_batching_loop_counts_exactly_and_applies_tier_thresholds(engine: Any) -
         params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
         queues = {f"r{i}": _collect(loop, f"r{i}", [257, 104, 105 + i], params, tier)
                   for i, tier in enumerate(["standard", "economy", "standard"])}
-        queues["pinned"] = _collect(loop, "pinned", [257, 120], params, "economy", override=0.1)
+        queues["pinned"] = _collect(loop, "pinned", [257, 120], params, "economy", threshold=0.1)
         events = {rid: _drain(q) for rid, q in queues.items()}
         snap = loop.snapshot(drain_records=True)
     finally:

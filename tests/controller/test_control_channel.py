@@ -1,0 +1,260 @@
+"""The control channel without Ray, tick by tick: real ``FSDReplica``s (tiny pair) report straight into a
+real ``FSDController`` through the same ``report`` call Serve would route, on a clock the test advances.
+
+Timers never fire here (report and control intervals of 60 s); every report and every tick is an
+explicit step, so each assertion names the tick it is about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from controller.batching import BatchingLoop, TokenEvent
+from controller.control_loop import FSDController
+from controller.protocol import EndChunk, ReplicaReport, ReportReply, StartChunk
+from controller.replica import FSDReplica
+from tests.controller.conftest import tiny_config
+
+ECONOMY_T = 1.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _config(**control: Any) -> dict[str, Any]:
+    # The replicas' own fail-safe clock is real time: long enough that it never fires in these tests.
+    return tiny_config(control={"interval_s": 60.0, **control},
+                       replica={"report_interval_s": 60.0, "stale_after_s": 600.0})
+
+
+def _sender(controller_ref: list[FSDController]) -> Callable[[list[ReplicaReport]], Awaitable[ReportReply]]:
+    """Reports go to whichever controller is current (a restart swaps it)."""
+
+    async def send(batch: list[ReplicaReport]) -> ReportReply:
+        return await controller_ref[0].report(batch)
+
+    return send
+
+
+async def _complete(replica: FSDReplica, n: int, tier: str = "economy", max_tokens: int = 6) -> int:
+    done = 0
+    for i in range(n):
+        chunks = [c async for c in replica.generate({"prompt": f"p{i}", "max_tokens": max_tokens, "tier": tier,
+                                                      "ignore_eos": True, "seed": i})]
+        end = chunks[-1]
+        assert isinstance(end, EndChunk) and end.finish_reason == "length", end
+        assert isinstance(chunks[0], StartChunk) and chunks[0].tier == tier
+        done += 1
+    return done
+
+
+async def _tick(clock: Clock, controller: FSDController, *replicas: FSDReplica) -> None:
+    clock.now += 1.0
+    for r in replicas:
+        await r.push_report()
+    controller.tick()
+
+
+def test_silent_replica_costs_only_its_own_report_and_is_counted_once_when_back() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        ctrl = FSDController(_config(policy={"policy": "static", "thresholds": {"economy": ECONOMY_T}}),
+                             start_loop=False, clock=clock)
+        ref = [ctrl]
+        a, b = FSDReplica(_config(), _sender(ref)), FSDReplica(_config(), _sender(ref))
+        try:
+            finished = await _complete(a, 2) + await _complete(b, 2)
+            await _tick(clock, ctrl, a, b)
+            assert ctrl.control_stats()["completions_counted"] == finished, "tick 1"
+            # b goes silent for five ticks spanning 65 s — past forget_replica_after_s (60 s), so the
+            # controller forgets its state — while it keeps finishing requests.
+            finished += await _complete(b, 3)
+            for i in range(5):
+                finished += await _complete(a, 1)
+                clock.now += 12.0
+                await _tick(clock, ctrl, a)
+                window = ctrl._last_window
+                assert window is not None and window.reports == 1, f"silent tick {i}: a's report counted"
+                assert window.telemetry.completions == 1, f"silent tick {i}"
+            assert b._replica_id not in {r["replica_id"] for r in ctrl.status()["replicas"]}, "forgotten"
+            # b's report reaches the controller but the reply is lost: b keeps it and re-sends it.
+            reply_lost = False
+
+            async def lossy(batch: list[ReplicaReport]) -> ReportReply:
+                nonlocal reply_lost
+                await ctrl.report(batch)
+                reply_lost = True
+                raise TimeoutError("reply lost")
+
+            b._sender = lossy
+            await b.push_report()
+            assert reply_lost and [r.seq for r in b.unacked_reports()] == [2], "b keeps the unacknowledged report"
+            b._sender = _sender(ref)
+            await _tick(clock, ctrl, a, b)  # b re-sends report 2 with report 3
+            assert not b.unacked_reports(), "acknowledged after the re-send"
+            stats = ctrl.control_stats()
+            assert stats["completions_counted"] == finished, f"exactly once: {stats} vs {finished} finished"
+            assert {r["replica_id"] for r in ctrl.status()["replicas"]} == {a._replica_id, b._replica_id}
+        finally:
+            a.__del__()
+            b.__del__()
+
+    asyncio.run(scenario())
+
+
+def test_restarted_controller_resumes_at_the_replicas_t_and_failsafe_still_wins() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        old = FSDController(_config(policy={"policy": "static", "thresholds": {"economy": ECONOMY_T}}),
+                            start_loop=False, clock=clock)
+        ref = [old]
+        replica = FSDReplica(_config(), _sender(ref))
+        try:
+            for _ in range(2):
+                await _tick(clock, old, replica)
+            await replica.push_report()  # the reply of tick 2 carries tick 2's decision
+            assert replica.stats()["thresholds"]["economy"] == ECONOMY_T
+            # The controller dies; Serve starts a new one from the config: the default (PID) policy,
+            # whose own state would start every tier at the safe T (0).
+            new = FSDController(_config(), start_loop=False, clock=clock)
+            ref[0] = new
+            clock.now += 1.0
+            assert new.tick() is None, "no decision before the replicas have reported"
+            await replica.push_report()
+            assert replica.stats()["thresholds"]["economy"] == ECONOMY_T, "no push before resuming"
+            for i in range(3):
+                await _tick(clock, new, replica)
+                assert new.status()["thresholds"]["economy"] == pytest.approx(ECONOMY_T, abs=0.3), f"tick {i}"
+            assert new.status()["resumed"]["from"] == "replicas"
+            await replica.push_report()
+            assert replica.stats()["epoch"] == new.status()["epoch"]
+            assert replica.stats()["thresholds"]["economy"] == pytest.approx(ECONOMY_T, abs=0.3)
+            # Telemetry really stale (nobody reported for 10 s): the policy's fail-safe wins.
+            clock.now += 10.0
+            new.tick()
+            decision = new.status()["last_decision"]
+            assert decision["reason"].startswith("fail-safe"), decision
+            assert new.status()["thresholds"]["economy"] == 0.0
+            assert new.control_stats()["failsafe_decisions"] == 1
+        finally:
+            replica.__del__()
+
+    asyncio.run(scenario())
+
+
+def test_bad_user_config_is_rejected_and_the_replica_keeps_serving() -> None:
+    async def scenario() -> None:
+        replica = FSDReplica(_config(), _sender([FSDController(_config(), start_loop=False)]))
+        try:
+            replica.reconfigure({"thresholds": {"economy": 2.0}, "draft_length": 3})
+            assert replica.stats()["controlled_thresholds"]["economy"] == 2.0
+            assert replica.stats()["draft_lengths"] == {"lossless": 3, "standard": 3, "economy": 3}
+            for bad, needle in [({"thresholds": {"economy": 9.0}}, "outside tier 'economy' bounds"),
+                                ({"thresholds": {"gold": 1.0}}, "gold"),
+                                ({"draft_length": -1}, "draft_length"),
+                                ({"speed": "fast"}, "speed")]:
+                with pytest.raises(ValueError, match=needle):
+                    replica.reconfigure(bad)
+                assert replica.stats()["controlled_thresholds"]["economy"] == 2.0, bad
+            assert await _complete(replica, 1) == 1, "the engine loop still serves"
+            assert replica.stats()["engine_alive"]
+        finally:
+            replica.__del__()
+
+    asyncio.run(scenario())
+
+
+# ---- engine health -------------------------------------------------------------------------------
+
+
+class _Row:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+class _StepFails:
+    """A StepEngine whose every step raises (a broken kernel, a poisoned cache)."""
+
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, threshold: float = 0.0) -> None:
+        self.pending.add(request_id)
+
+    def set_threshold(self, request_id: str, threshold: float) -> None: ...
+    def set_draft_length(self, k: int) -> None: ...
+
+    def abort(self, request_id: str) -> None:
+        self.pending.discard(request_id)
+
+    def release(self, request_id: str) -> Any:
+        self.pending.discard(request_id)
+        raise KeyError(request_id)
+
+    def step(self) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+
+class _StepHangs(_StepFails):
+    def __init__(self) -> None:
+        super().__init__()
+        self.release_step = threading.Event()
+
+    def step(self) -> Any:
+        self.release_step.wait(60)
+        raise RuntimeError("released")
+
+
+def _wait_finished(q: queue.SimpleQueue[TokenEvent]) -> TokenEvent:
+    while True:
+        event = q.get(timeout=30)
+        if event.finished:
+            return event
+
+
+def test_failing_steps_make_the_engine_unhealthy_after_the_limit() -> None:
+    loop = BatchingLoop(_StepFails(), {"standard": 0.0})
+    try:
+        for i in range(3):
+            assert loop.health_problem(60.0, 3) is None, f"after {i} failed steps"
+            q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+            loop.submit(f"r{i}", [1, 2], None, "standard", None, q.put)
+            assert _wait_finished(q).error is not None, "the request gets an explicit error"
+        problem = loop.health_problem(60.0, 3)
+        assert problem is not None and "3 engine steps in a row failed" in problem and "illegal memory" in problem
+        assert loop.counters().per_tier["standard"].failed == 3
+    finally:
+        loop.stop()
+
+
+def test_a_hung_step_makes_the_engine_unhealthy() -> None:
+    engine = _StepHangs()
+    loop = BatchingLoop(engine, {"standard": 0.0})
+    try:
+        q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        loop.submit("r", [1], None, "standard", None, q.put)
+        deadline = threading.Event()
+        problem = None
+        for _ in range(600):  # bounded poll: the step is entered within a few ms
+            problem = loop.health_problem(0.05, 3)
+            if problem is not None:
+                break
+            deadline.wait(0.05)
+        assert problem is not None and "hung" in problem
+    finally:
+        engine.release_step.set()
+        loop.stop()

@@ -24,6 +24,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from policies.signals import attainment
+
 #: Histogram upper bounds in seconds (TPOT lives in the 5–500 ms range, E2E in seconds).
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
@@ -97,7 +99,8 @@ class MetricsState:
         self.tier_gauges = {}
         for name, tw in tel.tiers.items():
             self.tier_gauges[name] = {
-                "slo_attainment_ratio": tw.slo_met / tw.completions if tw.completions else math.nan,
+                # The policies' definition: refused and aborted requests of the tier are misses too.
+                "slo_attainment_ratio": attainment(tel, name),
                 "mean_distortion": tw.mean_distortion,
             }
         self.replica_gauges, self.replica_thresholds = {}, {}

@@ -16,13 +16,14 @@ from tests.controller.test_units import _record, _report
 def _families() -> dict[str, Any]:
     agg = TelemetryAggregator(SLOSpec.default())
     state = MetricsState()
-    reports = [
-        {**_report("rep-a", {"completions": 2, "output_tokens": 16}, [_record("standard", 50.0)], queue=3,
-                   in_flight=5), "failsafe": True, "running": 2, "last_update_age_s": 2.5},
-        {**_report("rep-b", {"completions": 1, "output_tokens": 4}, [_record("economy", 90.0)], queue=0,
-                   in_flight=1, thresholds={"standard": 0.4, "economy": 1.0, "lossless": 0.0}), "running": 1},
-    ]
-    window = agg.window(reports, now_s=1.0, window_s=1.0, age_s=0.0, thresholds={"standard": 0.2})
+    for report in (
+        _report("rep-a", 1, {"completions": 2, "output_tokens": 16}, [_record("standard", 50.0)], queue_depth=3,
+                in_flight=5, failsafe=True, running=2, last_update_age_s=2.5),
+        _report("rep-b", 1, {"completions": 1, "output_tokens": 4}, [_record("economy", 90.0)], queue_depth=0,
+                in_flight=1, running=1, thresholds={"standard": 0.4, "economy": 1.0, "lossless": 0.0}),
+    ):  # one batch per replica incarnation
+        agg.receive([report], now_s=0.5)
+    window = agg.window(now_s=1.0, window_s=1.0, age_s=0.0, thresholds={"standard": 0.2})
     state.update(window, {"standard": 0.2, "economy": 0.5, "lossless": 0.0})
     return {f.name: f for f in text_string_to_metric_families(state.render().decode())}
 

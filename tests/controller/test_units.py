@@ -153,6 +153,14 @@ def test_unanswered_requests_are_misses_of_their_tier() -> None:
     assert (eco.completions, eco.slo_met, eco.rejections, eco.aborted) == (2, 2, 2, 2)
     assert attainment(w.telemetry, "economy") == pytest.approx(2 / 6), "503/504/aborted are misses"
     assert math.isnan(attainment(w.telemetry, "standard"))
+    # The Prometheus gauge reads the same definition.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    state = MetricsState()
+    state.update(w, {})
+    fams = {f.name: f for f in text_string_to_metric_families(state.render().decode())}
+    gauge = {s.labels["tier"]: s.value for s in fams["fsd_tier_slo_attainment_ratio"].samples}
+    assert gauge["economy"] == pytest.approx(2 / 6)
 
 
 def test_request_met_slo_requires_every_target() -> None:

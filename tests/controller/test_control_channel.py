@@ -125,9 +125,11 @@ def test_restarted_controller_resumes_at_the_replicas_t_and_failsafe_still_wins(
                 await _tick(clock, old, replica)
             await replica.push_report()  # the reply of tick 2 carries tick 2's decision
             assert replica.stats()["thresholds"]["economy"] == ECONOMY_T
-            # The controller dies; Serve starts a new one from the config: the default (PID) policy,
-            # whose own state would start every tier at the safe T (0).
-            new = FSDController(_config(), start_loop=False, clock=clock)
+            # The controller dies; Serve starts a new one from the config: a PID policy, whose own state
+            # would start every tier at the safe T (0). (The model-predictive default has no integrator
+            # to rebuild: it decides from its model and the telemetry, whatever T it inherits.)
+            new = FSDController(_config(policy={"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}),
+                                start_loop=False, clock=clock)
             ref[0] = new
             clock.now += 1.0
             assert new.tick() is None, "no decision before the replicas have reported"

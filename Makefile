@@ -29,7 +29,7 @@ demo: venv
 	$(BIN)/fsd demo
 
 test: venv
-	$(BIN)/ruff check decoder policies sim controller fsd_cli fsd_common tests benchmarks
+	$(BIN)/ruff check decoder policies sim controller fsd_cli fsd_common fsd_vllm tests benchmarks
 	$(BIN)/mypy policies sim fsd_cli fsd_common decoder/calibration.py decoder/baseline.py decoder/pairs.py
 	$(BIN)/python -m pytest -q -ra
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 APP = "fsd-openai-test"
 MODEL = "tiny"

@@ -22,7 +22,7 @@ import yaml
 
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 APP = "fsd-rollout-test"

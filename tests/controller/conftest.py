@@ -61,14 +61,20 @@ ADMIN_TOKEN = "test-admin-token"
 T = TypeVar("T")
 
 
+#: No wait gives up before this: deadlines only matter when a state never comes, and a saturated CI
+#: machine may take minutes where a quiet one takes a tick. No test asserts speed through a wait.
+MIN_WAIT_S = 180.0
+
+
 def wait_until(condition: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = 0.2) -> T:
     """Poll ``condition`` until it returns something truthy, at most ``timeout_s``; that value.
 
     A bounded wait for a state the service reaches on its own ticks (a control tick, a replica report),
     not a sleep for a fixed time: it returns as soon as the state is there, and a state never reached fails
     with ``what`` and the last exception the condition raised. Deadlines are generous (a busy machine is
-    slow, not broken).
+    slow, not broken): at least :data:`MIN_WAIT_S`.
     """
+    timeout_s = max(timeout_s, MIN_WAIT_S)
     deadline = time.monotonic() + timeout_s
     last_exc: Exception | None = None
     pace = threading.Event()  # never set: wait() paces the polls without a bare sleep

@@ -22,6 +22,7 @@ import pytest
 
 from controller.replica import FSDReplica
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
+from tests.controller.conftest import wait_until as _wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -61,20 +62,6 @@ def service(ray_serve: RayServe) -> Iterator[str]:
         yield url
     finally:
         serve.delete(APP)
-
-
-def _wait(predicate: Any, timeout_s: float, what: str, period_s: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as exc:  # not up (yet)
-            last_exc = exc
-        time.sleep(period_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")
 
 
 def _status(url: str, history: int = 0) -> dict[str, Any]:
@@ -235,7 +222,7 @@ def test_engine_failing_every_step_gets_the_replica_replaced(ray_serve: RayServe
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)
             assert r.status_code == 500 and "every engine step fails" in r.json()["error"]["message"], (i, r.text)
         replaced = _wait(lambda: [x for x in _status(url)["replicas"] if x["actor_name"] != first["actor_name"]],
-                         90, "Serve to replace the unhealthy replica", period_s=0.5)
+                         90, "Serve to replace the unhealthy replica", poll_s=0.5)
         assert replaced[0]["engine_problem"] is None
     finally:
         serve.delete(app)

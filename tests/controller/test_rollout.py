@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
+from tests.controller.conftest import wait_until as _wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -28,19 +28,6 @@ AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 APP = "fsd-rollout-test"
 LIVE_POLICY = {"policy": "static", "thresholds": {"standard": 0.25, "economy": 1.0}, "guards": False}
 SHADOW_POLICY = {"policy": "static", "thresholds": {"standard": 0.75, "economy": 3.0}, "guards": False}
-
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if value := predicate():
-                return value
-        except Exception as exc:  # not up yet
-            last = exc
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last error: {last!r})")
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,8 @@ class FSDController:
         rejections, self._ingress_rejections = self._ingress_rejections, {}
         aborted, self._ingress_aborted = self._ingress_aborted, {}
         window = self._aggregator.window(now_s=now, window_s=window_s, age_s=age, thresholds=self._thresholds,
-                                         ingress_rejections=rejections, ingress_aborted=aborted)
+                                         ingress_rejections=rejections, ingress_aborted=aborted,
+                                         draft_lengths=self._draft_lengths)
         self._ticks += 1
         self._reports_counted += window.reports
         self._completions_counted += window.telemetry.completions

@@ -329,3 +329,18 @@ def test_batching_loop_runs_k_per_tier_per_row(engine: Any) -> None:
     assert all(e.draft_length == 0 and e.drafted == 0 for e in plain)
     tokens = [t for e in steps for t in e.new_token_ids]
     assert tokens == [t for e in plain for t in e.new_token_ids], "greedy T = 0 output does not depend on k"
+
+
+def test_the_controller_models_the_served_pair_where_a_calibrated_profile_exists() -> None:
+    from controller.control_loop import FSDController, served_operating_model
+    from sim.profile import PROFILES_DIR, Profile
+
+    model, source = served_operating_model("smollm2-135m", "kl")
+    assert model is not None and "calibrated profile sim/profiles/smollm2-135m.json" in source
+    expected = Profile.load(PROFILES_DIR / "smollm2-135m.json").to_operating_model(div="kl")
+    assert model.points == expected.points and model.cost == expected.cost and 0 in model.draft_lengths
+    for pair in ("tiny", "../smollm2-135m"):  # no profile of its own; never a path outside the profiles
+        model, source = served_operating_model(pair, "kl")
+        assert model is None and source.startswith("default model"), (pair, source)
+    controller = FSDController(parse_config({"model": {"pair": "tiny"}}).model_dump(mode="json"), start_loop=False)
+    assert controller.status(history=0)["operating_model"].startswith("default model")

@@ -120,11 +120,15 @@ def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     if name == "static0":
         return {"policy": "static", "thresholds": 0.0, "guards": False}
+    if name == "plain":  # plain target decoding: T = 0, k = 0 (no draft forward) for every tier
+        return {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "guards": False}
+    if name == "static0k4":  # standard speculative decoding: T = 0, k = 4 for every tier
+        return {"policy": "static", "thresholds": 0.0, "draft_lengths": 4, "guards": False}
     if name == "ceiling":
         return {"policy": "static", "thresholds": {args.tier: args.ceiling}, "guards": False}
     if name == "slo":
         return json.loads(args.slo_policy)
-    raise ValueError(f"unknown configuration {name!r}; expected static0, ceiling, slo or live")
+    raise ValueError(f"unknown configuration {name!r}; expected static0, plain, static0k4, ceiling, slo or live")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-ms", type=float, default=None, help="override the tier's p95 TPOT target")
     p.add_argument("--ceiling", type=float, default=None, help="T for the 'ceiling' config (default: tier max)")
     p.add_argument("--configs", default="static0,ceiling,slo",
-                   help="comma-separated: static0, ceiling, slo, live (keep the service's policy)")
+                   help="comma-separated: static0, plain (T = 0, k = 0), static0k4 (T = 0, k = 4), ceiling, slo, "
+                        "live (keep the service's policy)")
     p.add_argument("--url", default=None, help="drive this running service instead of starting one")
     p.add_argument("--token", default=None, help="with --url: admin token (default $FSD_ADMIN_TOKEN)")
     p.add_argument("--slo-policy", default='{"policy": "slo"}', help="JSON policy spec for the 'slo' config (default: the shipped SLO policy)")

@@ -5,8 +5,11 @@ loop it would stall ``stats()``, health checks and threshold pushes for the whol
 thread, the event loop stays free and the engine is touched by exactly one thread (no locking inside
 the engine). The thread talks to the rest of the replica through:
 
-* a command queue (add / abort / set tier thresholds / set draft length / stop), drained between
-  iterations — so requests join and leave the running batch between steps;
+* a command queue (add / abort / set tier thresholds / set k per tier / stop), drained between
+  iterations — so requests join and leave the running batch between steps. k is per row: a request is
+  admitted with its tier's k and a change of a tier's k reaches that tier's running rows at the next
+  step (``FSDEngine.set_draft_length(k, request_id)``), so one tier can decode plainly (k = 0) while
+  another drafts in the same batch;
 * per-request sinks (a thread-safe callback, in practice ``loop.call_soon_threadsafe`` into an asyncio
   queue) that receive a :class:`TokenEvent` per step the request took part in;
 * :class:`ReplicaCounters`, updated under a lock and read by ``stats()``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import queue
 import threading
 import time
@@ -45,6 +49,7 @@ class TokenEvent:
     fuzzy_accepted: int = 0
     distortion: float = 0.0
     threshold: float = 0.0
+    draft_length: int = 0  # the k the row ran at this step (0: plain target decoding)
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when the engine failed this request
@@ -75,6 +80,7 @@ class _Job:
     sink: Callable[[TokenEvent], None]
     arrival_s: float
     threshold: float = 0.0  # the T this request runs at: one name from the HTTP body to verify_block
+    draft_length: int | None = None  # the k this request runs at (None: the engine default)
     added: bool = False
     first_token_s: float | None = None
     output_tokens: int = 0
@@ -93,6 +99,7 @@ class TierCounters:
     rejections: int = 0
     aborted: int = 0
     failed: int = 0
+    row_iterations: int = 0  # (sequence of this tier, decode step) pairs: its tokens-per-step denominator
 
     def minus(self, before: TierCounters) -> TierCounters:
         return TierCounters(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
@@ -158,9 +165,10 @@ class ReplicaCounters:
 class StepEngine(Protocol):
     """The part of ``decoder.engine.FSDEngine`` the loop drives."""
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, threshold: float = 0.0) -> None: ...
+    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, threshold: float = 0.0,
+                    draft_length: int | None = None) -> None: ...
     def set_threshold(self, request_id: str, threshold: float) -> None: ...
-    def set_draft_length(self, k: int) -> None: ...
+    def set_draft_length(self, k: int, request_id: str | None = None) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def release(self, request_id: str) -> Any: ...
     def step(self) -> Any: ...
@@ -170,11 +178,15 @@ class StepEngine(Protocol):
 class BatchingLoop:
     """Owns the engine thread. Thread-safe public methods; the engine is only touched by the thread."""
 
-    def __init__(self, engine: StepEngine, thresholds: Mapping[str, float], name: str = "fsd-engine") -> None:
+    def __init__(self, engine: StepEngine, thresholds: Mapping[str, float], name: str = "fsd-engine",
+                 draft_lengths: Mapping[str, int] | None = None) -> None:
+        """``thresholds`` / ``draft_lengths``: T and k per tier (a tier without a k runs the engine
+        default)."""
         self._engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._jobs: dict[str, _Job] = {}  # engine-thread only
         self._tier_thresholds: dict[str, float] = dict(thresholds)  # engine-thread view
+        self._tier_draft_lengths: dict[str, int] = _check_draft_lengths(draft_lengths or {})  # engine-thread view
         self._lock = threading.Lock()
         self._counters = ReplicaCounters()
         self._records: deque[RequestRecord] = deque()
@@ -219,7 +231,13 @@ class BatchingLoop:
         self._commands.put(("thresholds", dict(thresholds)))
 
     def set_draft_length(self, k: int) -> None:
-        self._commands.put(("draft_length", int(k)))
+        """The engine default k (rows of a tier with its own k keep theirs)."""
+        self._commands.put(("draft_length", _check_draft_lengths({"*": k})["*"]))
+
+    def set_tier_draft_lengths(self, draft_lengths: Mapping[str, int]) -> None:
+        """k per tier (>= 0; 0 = plain target decoding): new requests of a tier are admitted with it and
+        the tier's running rows switch at the next step. ValueError naming a bad k (nothing changes)."""
+        self._commands.put(("draft_lengths", _check_draft_lengths(draft_lengths)))
 
     def cancel_all(self, message: str) -> None:
         """Fail every request in flight with ``message`` (an explicit error, not a cut stream)."""
@@ -361,6 +379,14 @@ class BatchingLoop:
                         self._engine.set_threshold(job.request_id, job.threshold)
         elif kind == "draft_length":
             self._engine.set_draft_length(arg)
+        elif kind == "draft_lengths":
+            self._tier_draft_lengths.update(arg)
+            for job in self._jobs.values():
+                k = arg.get(job.tier)
+                if k is not None and k != job.draft_length:
+                    job.draft_length = k
+                    if job.added:
+                        self._engine.set_draft_length(k, job.request_id)
         elif kind == "cancel_all":
             for job in list(self._jobs.values()):
                 self._finish(job, "error", error=arg)
@@ -370,9 +396,11 @@ class BatchingLoop:
     def _add(self, job: _Job) -> None:
         if not job.pinned:
             job.threshold = self._tier_thresholds.get(job.tier, 0.0)
+        job.draft_length = self._tier_draft_lengths.get(job.tier)
         self._jobs[job.request_id] = job
         try:
-            self._engine.add_request(job.request_id, job.prompt_ids, job.params, threshold=job.threshold)
+            self._engine.add_request(job.request_id, job.prompt_ids, job.params, threshold=job.threshold,
+                                     draft_length=job.draft_length)
         except ValueError as exc:  # the engine's own validation: report, never crash the loop
             self._finish(job, "error", error=str(exc))
             return
@@ -399,14 +427,15 @@ class BatchingLoop:
                     continue
                 n_new = len(row.new_token_ids)
                 distortion = float(row.distortion) if math.isfinite(row.distortion) else 0.0
+                tier = c.tier(job.tier)
                 if n_new or row.drafted:
                     c.row_iterations += 1
+                    tier.row_iterations += 1
                 c.drafted += int(row.drafted)
                 c.accepted += int(row.accepted)
                 c.fuzzy_accepted += int(row.fuzzy_accepted)
                 c.distortion += distortion
                 c.output_tokens += n_new
-                tier = c.tier(job.tier)
                 tier.output_tokens += n_new
                 tier.distortion += distortion
                 if n_new and job.first_token_s is None:
@@ -422,6 +451,7 @@ class BatchingLoop:
                         fuzzy_accepted=int(row.fuzzy_accepted),
                         distortion=distortion,
                         threshold=float(row.threshold),
+                        draft_length=int(getattr(row, "draft_length", 0)),
                     )
                 )
                 if row.finished:
@@ -499,3 +529,14 @@ class BatchingLoop:
             if kind == "add":
                 self._jobs[arg.request_id] = arg
                 self._finish(arg, "error", error=message)
+
+
+def _check_draft_lengths(draft_lengths: Mapping[str, int]) -> dict[str, int]:
+    """k per tier as ints >= 0; ValueError naming the first bad one (checked on the caller's thread, so a
+    bad value never reaches the engine thread)."""
+    out: dict[str, int] = {}
+    for name, k in draft_lengths.items():
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"draft length for tier {name!r} must be an integer >= 0, got {k!r}")
+        out[str(name)] = int(k)
+    return out

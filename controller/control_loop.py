@@ -36,6 +36,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from controller.protocol import ReplicaReport, ReplicaState, ReportReply, Thresh
 from controller.telemetry_agg import TelemetryAggregator, Window
 from policies.base import Policy
 from policies.decision import Decision
+from policies.mpc import OperatingModel
 from policies.registry import DEFAULT_POLICY_SPEC
 from policies.slo import SLOSpec
 from policies.tiers import apply_decision, fraction_from_threshold
@@ -54,13 +56,33 @@ logger = logging.getLogger("ray.serve")
 
 
 
-def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec) -> tuple[Policy, dict[str, Any]]:
-    """(policy, normalised spec). ValueError naming the bad field."""
+def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec,
+                 operating_model: OperatingModel | None = None) -> tuple[Policy, dict[str, Any]]:
+    """(policy, normalised spec). ``operating_model``: the served pair's, for the model-predictive policy
+    (None: its default). ValueError naming the bad field."""
     from policies.registry import make_policy
 
     normalised: dict[str, Any] | str = dict(spec) if isinstance(spec, Mapping) else (spec or DEFAULT_POLICY_SPEC)
-    policy = make_policy(normalised, slo)
+    policy = make_policy(normalised, slo, operating_model=operating_model)
     return policy, (normalised if isinstance(normalised, dict) else {"policy": normalised})
+
+
+def served_operating_model(pair: str, div: str) -> tuple[OperatingModel | None, str]:
+    """The model-predictive policy's model of the served pair: from its calibrated profile
+    ``sim/profiles/<pair>.json`` when there is one (the configured divergence where the profile has it),
+    else None (the policy's default, the default pair's model). Also a line saying which, for status."""
+    from policies.mpc import DEFAULT_MODEL_PATH
+    from sim.profile import PROFILES_DIR, Profile
+
+    path = PROFILES_DIR / f"{pair}.json"
+    if Path(pair).name != pair or not path.is_file():
+        return None, (f"default model policies/models/{DEFAULT_MODEL_PATH.name} (the default pair's): no "
+                      f"calibrated profile sim/profiles/{pair}.json for the served pair {pair!r}")
+    profile = Profile.load(path)
+    use_div = div if div in profile.divs() else profile.default_div
+    return (profile.to_operating_model(div=use_div),
+            f"calibrated profile sim/profiles/{path.name} of the served pair (div {use_div}; k = 0 "
+            f"{profile.plain_decoding_source})")
 
 
 def describe_policy(policy: Policy | None, spec: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -163,11 +185,14 @@ class FSDController:
         self._cfg: FSDConfig = parse_config(dict(config))
         self._replicas = replicas
         self._slo = self._cfg.slo
-        self._policy, self._policy_spec = build_policy(self._cfg.control.policy, self._slo)
+        self._operating_model, self._operating_model_source = served_operating_model(
+            self._cfg.model.pair, self._cfg.model.div)
+        self._policy, self._policy_spec = build_policy(self._cfg.control.policy, self._slo, self._operating_model)
         self._shadow: Policy | None = None
         self._shadow_spec: dict[str, Any] | None = None
         if self._cfg.control.shadow_policy is not None:
-            self._shadow, self._shadow_spec = build_policy(self._cfg.control.shadow_policy, self._slo)
+            self._shadow, self._shadow_spec = build_policy(self._cfg.control.shadow_policy, self._slo,
+                                                           self._operating_model)
         self._thresholds = apply_decision(self._slo, {}, self._cfg.replica.initial_thresholds)
         self._draft_lengths: dict[str, int] = dict.fromkeys(self._slo.tiers, self._cfg.model.num_draft_tokens)
         self._version = 0
@@ -200,8 +225,8 @@ class FSDController:
         self._task: asyncio.Task[None] | None = None
         if start_loop:
             self._task = asyncio.get_running_loop().create_task(self._run())
-        logger.info("FSD controller up: interval %.2fs, policy %s, shadow %s, epoch %s", self._interval,
-                    self._policy_spec, self._shadow_spec, self._epoch)
+        logger.info("FSD controller up: interval %.2fs, policy %s (operating model: %s), shadow %s, epoch %s",
+                    self._interval, self._policy_spec, self._operating_model_source, self._shadow_spec, self._epoch)
 
     def _now(self) -> float:
         """Seconds since this controller started (its monotonic clock; the policy's time axis)."""
@@ -295,7 +320,8 @@ class FSDController:
         rejections, self._ingress_rejections = self._ingress_rejections, {}
         aborted, self._ingress_aborted = self._ingress_aborted, {}
         window = self._aggregator.window(now_s=now, window_s=window_s, age_s=age, thresholds=self._thresholds,
-                                         ingress_rejections=rejections, ingress_aborted=aborted)
+                                         ingress_rejections=rejections, ingress_aborted=aborted,
+                                         draft_lengths=self._draft_lengths)
         self._ticks += 1
         self._reports_counted += window.reports
         self._completions_counted += window.telemetry.completions
@@ -360,8 +386,8 @@ class FSDController:
             new_slo = SLOSpec.model_validate(dict(slo))
         except ValidationError as exc:
             raise ValueError(f"invalid slo: {format_validation_error(exc)}") from None
-        policy, spec = build_policy(self._policy_spec, new_slo)
-        shadow = build_policy(self._shadow_spec, new_slo)[0] if self._shadow_spec is not None else None
+        policy, spec = build_policy(self._policy_spec, new_slo, self._operating_model)
+        shadow = build_policy(self._shadow_spec, new_slo, self._operating_model)[0] if self._shadow_spec is not None else None
         async with self._lock:
             self._slo = new_slo
             self._aggregator.slo = new_slo
@@ -385,7 +411,7 @@ class FSDController:
             return self.status(history=0)
         if spec is None:
             raise ValueError("policy: a policy spec is required")
-        policy, normalised = build_policy(spec, self._slo)
+        policy, normalised = build_policy(spec, self._slo, self._operating_model)
         async with self._lock:
             if shadow:
                 self._shadow, self._shadow_spec = policy, normalised
@@ -402,7 +428,7 @@ class FSDController:
 
         if self._shadow_spec is None:
             raise ValueError("promote: no shadow policy is set (PUT /v1/fsd/policy?shadow=true first)")
-        policy, spec = build_policy(self._shadow_spec, self._slo)
+        policy, spec = build_policy(self._shadow_spec, self._slo, self._operating_model)
         async with self._lock:
             previous, self._policy, self._policy_spec = self._policy_spec, policy, spec
             self._shadow, self._shadow_spec, self._last_shadow = None, None, None
@@ -461,6 +487,7 @@ class FSDController:
             "control": _jsonable(self.control_stats()),
             "slo": self._slo.model_dump(mode="json"),
             "policy": describe_policy(self._policy, self._policy_spec),
+            "operating_model": self._operating_model_source,
             "shadow_policy": describe_policy(self._shadow, self._shadow_spec),
             "last_decision": _decision_dict(self._last_decision),
             "last_shadow_decision": _decision_dict(self._last_shadow),

@@ -185,7 +185,7 @@ class FSDReplica:
         )
         self._replica_id = self._own_replica_id()
         self._slo: SLOSpec = self._cfg.slo
-        self._draft_length = self._cfg.model.num_draft_tokens  # k the engine runs (one for all rows today)
+        self._draft_length = self._cfg.model.num_draft_tokens  # the engine default k (configured)
         self._draft_lengths = dict.fromkeys(self._slo.tiers, self._draft_length)  # k per tier, as pushed
         # T the controller asked for; until its first push, the configured initial T (default: safe T).
         self._controlled = apply_decision(self._slo, {}, self._cfg.replica.initial_thresholds)
@@ -195,7 +195,8 @@ class FSDReplica:
         self._last_update: float | None = None
         self._failsafe = False
         self._failsafe_events = 0
-        self._loop = BatchingLoop(self._engine, self._effective(), name=f"fsd-engine-{self._replica_id}")
+        self._loop = BatchingLoop(self._engine, self._effective(), name=f"fsd-engine-{self._replica_id}",
+                                  draft_lengths=self._draft_lengths)
         # Reports: numbered per incarnation (this process), deltas against the last report built.
         self._incarnation = uuid.uuid4().hex
         self._seq = 0
@@ -279,13 +280,13 @@ class FSDReplica:
         return True
 
     def _set_draft_lengths(self, draft_lengths: Mapping[str, int]) -> None:
-        """Store k per tier. The engine runs one k for every row today: a k ≥ 1 on which every tier
-        agrees is applied to it; per-row k is the engine's (and the integrator's) to add."""
-        self._draft_lengths.update({name: int(k) for name, k in draft_lengths.items() if name in self._slo.tiers})
-        values = set(self._draft_lengths.values())
-        if len(values) == 1 and (k := values.pop()) >= 1 and k != self._draft_length:
-            self._draft_length = k
-            self._loop.set_draft_length(k)
+        """Apply k per tier, per row: the engine thread admits each request with its tier's k and moves
+        the tier's running rows to a changed k at the next step (k = 0: plain target decoding)."""
+        changed = {name: int(k) for name, k in draft_lengths.items()
+                   if name in self._slo.tiers and self._draft_lengths.get(name) != int(k)}
+        if changed:
+            self._loop.set_tier_draft_lengths(changed)  # validates first: a bad k changes nothing
+            self._draft_lengths.update(changed)
 
     def reconfigure(self, user_config: Mapping[str, Any]) -> None:
         """Serve ``user_config``: ``{"thresholds": {tier: T}, "draft_length": k, "draft_lengths": {tier: k}}``
@@ -533,7 +534,7 @@ class FSDReplica:
             report_seq=self._seq,
             unacked_reports=len(self._unacked),
             dropped_reports=self._dropped_reports,
-            draft_length=self._draft_length,
+            draft_length=self._draft_lengths.get(self._slo.default_tier, self._draft_length),
             max_batch_size=self._cfg.model.max_batch_size,
             max_queued=self._cfg.replica.max_queued,
             max_context=self._pair.max_context,

@@ -132,11 +132,18 @@ class TelemetryAggregator:
         thresholds: Mapping[str, float],
         ingress_rejections: Mapping[str, int] | None = None,
         ingress_aborted: Mapping[str, int] | None = None,
+        draft_lengths: Mapping[str, int] | None = None,
     ) -> Window:
         """Fold every report received since the previous window into one window. ``thresholds`` is
         the T per tier the controller last decided (the replica-held T is used for a tier where every
         live replica agrees on another value, e.g. all of them in fail-safe). ``ingress_*``: requests
-        per tier the ingress answered 503 / 504 before any replica saw them."""
+        per tier the ingress answered 503 / 504 before any replica saw them. ``draft_lengths``: the k per
+        tier the controller last decided (the replica-held k is used where every live replica agrees).
+
+        The fields the model-predictive policy corrects itself with come from the replicas' exact
+        counters: per tier ``sequence_iterations`` (decode steps its rows took part in) and
+        ``draft_length``; ``mean_iteration_ms`` = decode-step wall time (step time less prefill) per
+        step and ``mean_batch_size`` = rows per step, over the window's steps (NaN without steps)."""
         reports, self._pending = self._pending, []
         totals = ReplicaCounters()
         records: list[RequestRecord] = []
@@ -157,6 +164,8 @@ class TelemetryAggregator:
         live = self.live_states(now_s)
         states = [state for _, state in live]
         reported_t = self._agreed_thresholds(states)
+        reported_k = self._agreed_draft_lengths(states)
+        decided_k = dict(draft_lengths or {})
         tiers_out: dict[str, TierWindow] = {}
         slo_met_by_tier: dict[str, int] = {}
         for name, tier in self.slo.tiers.items():
@@ -174,6 +183,8 @@ class TelemetryAggregator:
                 e2e=_summary(tier_records, "e2e_ms"),
                 mean_distortion=counts.distortion / tokens if tokens > 0 else 0.0,
                 output_tokens=tokens,
+                draft_length=reported_k.get(name, decided_k.get(name)),
+                sequence_iterations=int(counts.row_iterations),
                 arrivals=int(counts.arrivals),
                 rejections=int(counts.rejections),
                 aborted=int(counts.aborted + counts.failed),
@@ -181,6 +192,10 @@ class TelemetryAggregator:
         tokens = int(totals.output_tokens)
         queue_depths = tuple(s.queue_depth for s in states)
         k_values = [k for s in states for k in s.draft_lengths.values()]
+        default_k = tiers_out[self.slo.default_tier].draft_length if self.slo.default_tier in tiers_out else None
+        if default_k is None:
+            default_k = max(k_values) if k_values else 4
+        decode_s = totals.busy_time_s - totals.prefill_time_s
         telemetry = Telemetry(
             time_s=now_s,
             window_s=window_s,
@@ -199,7 +214,9 @@ class TelemetryAggregator:
             output_tokens=tokens,
             output_tokens_per_s=tokens / window_s,
             replicas=len(states),
-            draft_length=max(k_values) if k_values else 4,
+            draft_length=default_k,
+            mean_iteration_ms=decode_s / totals.iterations * 1e3 if totals.iterations > 0 else math.nan,
+            mean_batch_size=totals.row_iterations / totals.iterations if totals.iterations > 0 else math.nan,
             age_s=age_s,
             tiers=tiers_out,
         )
@@ -214,6 +231,19 @@ class TelemetryAggregator:
             reports=len(reports),
             push_latencies_ms=push_latencies,
         )
+
+    @staticmethod
+    def _agreed_draft_lengths(states: Sequence[ReplicaState]) -> dict[str, int]:
+        """k per tier on which every live replica agrees (none when they disagree or none report)."""
+        if not states:
+            return {}
+        names = set.intersection(*(set(s.draft_lengths) for s in states))
+        out: dict[str, int] = {}
+        for name in names:
+            values = {int(s.draft_lengths[name]) for s in states}
+            if len(values) == 1:
+                out[name] = values.pop()
+        return out
 
     @staticmethod
     def _agreed_thresholds(states: Sequence[ReplicaState]) -> dict[str, float]:

@@ -126,6 +126,9 @@ class CalibrationSettings(BaseModel):
         None, description="draft lengths of the acceptance sweep (None: ks); timing always sweeps ks"
     )
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    plain_decoding: bool = Field(
+        True, description="also time k = 0 (plain target decoding, no draft forward) at every batch size"
+    )
     prompts: int = Field(6, ge=1, le=len(CALIBRATION_PROMPTS), description="prompts per grid point")
     max_new_tokens: int = Field(40, ge=2, description="tokens per acceptance request")
     acceptance_batch_size: int = Field(8, ge=1, description="engine batch of the acceptance sweep")
@@ -193,6 +196,11 @@ class CalibrationSettings(BaseModel):
     @property
     def swept_acceptance_ks(self) -> tuple[int, ...]:
         return self.acceptance_ks if self.acceptance_ks is not None else self.ks
+
+    @property
+    def timed_ks(self) -> tuple[int, ...]:
+        """Draft lengths of the timing sweep: k = 0 (plain decoding, when asked) and ``ks``."""
+        return (0, *self.ks) if self.plain_decoding else self.ks
 
     @classmethod
     def quick(cls, **overrides: Any) -> CalibrationSettings:
@@ -542,14 +550,14 @@ def measure_latency(pair: ModelPair, settings: CalibrationSettings, progress: bo
     prompt = _filler_ids(pair, prompt_len)
     per_point = settings.timing_iterations + 1
     prefill_lengths = [min(n, pair.max_context - 2) for n in settings.prefill_lengths]
-    total = len(settings.ks) * len(settings.batch_sizes) * per_point + len(prefill_lengths) * settings.prefill_repeats
+    total = len(settings.timed_ks) * len(settings.batch_sizes) * per_point + len(prefill_lengths) * settings.prefill_repeats
     bar = _Progress(progress, total, "latency")
     if bar._bar is not None:
         bar._bar.unit = "step"
     samples: list[LatencySample] = []
     try:
         _warm_up(pair, settings, prompt)
-        for k in settings.ks:
+        for k in settings.timed_ks:  # k = 0: the engine runs no draft forward (plain target decoding)
             max_new = (k + 1) * per_point + 1
             if prompt_len + max_new > pair.max_context:
                 raise ValueError(f"timing prompt of {prompt_len} tokens + {max_new} new exceeds the pair's context")
@@ -748,7 +756,7 @@ def measure(
         f"{settings.temperature}, rule {settings.rule}, batch {settings.acceptance_batch_size}, "
         f"{settings.prompts} prompts x {settings.max_new_tokens} tokens per grid point, k "
         f"{list(settings.swept_acceptance_ks)}; latency at batch sizes "
-        f"{list(settings.batch_sizes)}, k {list(settings.ks)}, {settings.timing_iterations} timed steps each, "
+        f"{list(settings.batch_sizes)}, k {list(settings.timed_ks)}, {settings.timing_iterations} timed steps each, "
         f"{settings.timing_prompt_tokens}-token prompts."
     )
     run_notes = (

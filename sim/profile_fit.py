@@ -13,6 +13,8 @@ stays torch-free. What is fitted and why:
 - *Latency*: non-negative least squares of the profile's own model,
   draft ``= k · (draft_a + draft_b · B)``, verify + overhead ``= verify_a + verify_b · B + verify_c · k · B``,
   prefill ``= prefill_fixed + prefill_per_token · prompt tokens``; fit quality kept as ``FitQuality``.
+  Decode points at k = 0 (plain target decoding, no draft forward) are fitted on their own,
+  step ``= plain_step_a + plain_step_b · B``; without them the profile derives k = 0 from the verify fit.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class FitQuality(BaseModel):
     verify_max_rel_error: float
     iteration_max_rel_error: float
     prefill_max_rel_error: float
+    plain_max_rel_error: float | None = None  # k = 0 step fit (None: k = 0 not measured)
 
 
 def isotonic_increasing(values: ArrayLike, weights: ArrayLike) -> np.ndarray:
@@ -218,10 +221,11 @@ def _max_rel_error(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
     """Non-negative least-squares fit of the profile's latency model to the measured points."""
-    decode = [s for s in samples if s.phase == "decode"]
+    decode = [s for s in samples if s.phase == "decode" and s.k >= 1]
+    plain = [s for s in samples if s.phase == "decode" and s.k == 0]
     prefill = [s for s in samples if s.phase == "prefill"]
     if not decode:
-        raise ValueError("no decode timing samples to fit")
+        raise ValueError("no decode timing samples at k >= 1 to fit")
     if not prefill:
         raise ValueError("no prefill timing samples to fit")
     k = np.array([s.k for s in decode], dtype=float)
@@ -236,6 +240,14 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
     tok = np.array([s.tokens for s in prefill], dtype=float)
     pre = np.array([s.prefill_ms for s in prefill])
     prefill_fixed, prefill_per_token = _nnls(np.stack([np.ones_like(tok), tok], axis=1), pre)
+    plain_a = plain_b = None
+    plain_error = None
+    if plain:
+        plain_b_sizes = np.array([s.batch for s in plain], dtype=float)
+        plain_step = np.array([s.draft_ms + s.verify_ms + s.overhead_ms for s in plain])
+        plain_design = np.stack([np.ones_like(plain_b_sizes), plain_b_sizes], axis=1)
+        plain_a, plain_b = (float(c) for c in _nnls(plain_design, plain_step))
+        plain_error = _max_rel_error(plain_design @ np.array([plain_a, plain_b]), plain_step)
 
     model = LatencyModel(
         draft_a_ms=float(draft_a),
@@ -245,6 +257,8 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
         verify_c_ms=float(verify_c),
         prefill_ms_per_token=float(prefill_per_token),
         prefill_fixed_ms=float(prefill_fixed),
+        plain_step_a_ms=plain_a,
+        plain_step_b_ms=plain_b,
     )
     draft_pred = draft_design @ np.array([draft_a, draft_b])
     verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])
@@ -255,6 +269,7 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
         verify_max_rel_error=_max_rel_error(verify_pred, verify),
         iteration_max_rel_error=_max_rel_error(iteration_pred, draft + verify),
         prefill_max_rel_error=_max_rel_error(prefill_pred, pre),
+        plain_max_rel_error=plain_error,
     )
     return LatencyFit(model, quality)
 

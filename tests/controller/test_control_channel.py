@@ -155,6 +155,43 @@ def test_restarted_controller_resumes_at_the_replicas_t_and_failsafe_still_wins(
     asyncio.run(scenario())
 
 
+def test_pushed_k_per_tier_runs_per_row_and_comes_back_in_the_window() -> None:
+    """The controller decides lossless k = 0, standard k = 3: in one batch the lossless request decodes
+    without drafting while the standard one drafts, and the next window carries what the model-predictive
+    policy reads (k and sequence iterations per tier, step time, batch size)."""
+
+    async def run(replica: FSDReplica, tier: str) -> EndChunk:
+        chunks = [c async for c in replica.generate({"prompt": "p", "max_tokens": 24, "tier": tier,
+                                                      "ignore_eos": True, "seed": 1})]
+        assert isinstance(chunks[-1], EndChunk) and chunks[-1].finish_reason == "length", chunks[-1]
+        return chunks[-1]
+
+    async def scenario() -> None:
+        clock = Clock()
+        ks = {"lossless": 0, "standard": 3, "economy": 3}
+        controller = FSDController(_config(policy={"policy": "static", "draft_lengths": ks, "guards": False}),
+                                   start_loop=False, clock=clock)
+        replica = FSDReplica(_config(), _sender([controller]))
+        try:
+            await _tick(clock, controller, replica)  # the first report; the tick decides
+            await replica.push_report()  # the reply carries the decision
+            assert replica.stats()["draft_lengths"] == ks
+            lossless, standard = await asyncio.gather(run(replica, "lossless"), run(replica, "standard"))
+            assert lossless.fsd is not None and standard.fsd is not None
+            assert lossless.fsd.drafted_tokens == 0
+            assert standard.fsd.drafted_tokens > 0
+            await _tick(clock, controller, replica)
+            tel = controller.status()["telemetry"]
+            assert tel["tiers"]["lossless"]["draft_length"] == 0 and tel["tiers"]["standard"]["draft_length"] == 3
+            assert tel["tiers"]["lossless"]["sequence_iterations"] == 24  # one token per step at k = 0
+            assert 0 < tel["tiers"]["standard"]["sequence_iterations"] <= 24
+            assert tel["mean_iteration_ms"] > 0 and 1.0 <= tel["mean_batch_size"] <= 2.0
+        finally:
+            replica.__del__()
+
+    asyncio.run(scenario())
+
+
 def test_bad_user_config_is_rejected_and_the_replica_keeps_serving() -> None:
     async def scenario() -> None:
         replica = FSDReplica(_config(), _sender([FSDController(_config(), start_loop=False)]))
@@ -191,11 +228,12 @@ class _StepFails:
     def __init__(self) -> None:
         self.pending: set[str] = set()
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, threshold: float = 0.0) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, threshold: float = 0.0,
+                    draft_length: int | None = None) -> None:
         self.pending.add(request_id)
 
     def set_threshold(self, request_id: str, threshold: float) -> None: ...
-    def set_draft_length(self, k: int) -> None: ...
+    def set_draft_length(self, k: int, request_id: str | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None:
         self.pending.discard(request_id)

@@ -118,6 +118,30 @@ def test_window_adds_deltas_and_counts_each_report_once() -> None:
         agg.receive([_report("a", 3, {}), _report("b", 3, {})], now_s=5.0)
 
 
+def test_window_fills_the_fields_the_model_predictive_policy_reads() -> None:
+    from controller.batching import TierCounters
+
+    agg = TelemetryAggregator(SLOSpec.default())
+    per_tier = {"lossless": TierCounters(output_tokens=30, row_iterations=30),
+                "standard": TierCounters(output_tokens=50, row_iterations=20)}
+    ks = {"standard": 4, "economy": 4, "lossless": 0}
+    agg.receive([_report("a", 1, {"iterations": 25, "row_iterations": 50, "output_tokens": 80, "busy_time_s": 2.5,
+                                  "prefill_time_s": 0.5, "per_tier": per_tier}, draft_lengths=ks)], now_s=0.5)
+    # Replica "b" disagrees on the economy tier's k: the controller's decided k stands for it.
+    agg.receive([_report("b", 1, {}, draft_lengths={**ks, "economy": 2})], now_s=0.6)
+    w = agg.window(now_s=1.0, window_s=1.0, age_s=0.0, thresholds={}, draft_lengths={**ks, "economy": 3})
+    tel = w.telemetry
+    assert tel.mean_iteration_ms == pytest.approx((2.5 - 0.5) / 25 * 1e3)  # decode time per step
+    assert tel.mean_batch_size == pytest.approx(50 / 25)
+    lossless, standard = tel.tiers["lossless"], tel.tiers["standard"]
+    assert (lossless.draft_length, lossless.sequence_iterations, lossless.tokens_per_iteration) == (0, 30, 1.0)
+    assert (standard.draft_length, standard.sequence_iterations, standard.tokens_per_iteration) == (4, 20, 2.5)
+    assert tel.tiers["economy"].draft_length == 3
+    assert tel.draft_length == 4  # the default tier's k
+    empty = agg.window(now_s=2.0, window_s=1.0, age_s=0.0, thresholds={})
+    assert math.isnan(empty.telemetry.mean_iteration_ms) and math.isnan(empty.telemetry.mean_batch_size)
+
+
 def test_window_slo_met_and_latency_from_records() -> None:
     slo = SLOSpec.default()  # standard: tpot <= 60 ms, economy: tpot <= 120 ms
     agg = TelemetryAggregator(slo)
@@ -279,3 +303,52 @@ def test_batching_loop_reports_engine_rejections_without_dying(engine: Any) -> N
         assert loop.alive and threading.active_count() >= 1
     finally:
         loop.stop()
+
+
+def test_batching_loop_runs_k_per_tier_per_row(engine: Any) -> None:
+    """A lossless row pushed k = 0 decodes with no drafting while a standard row in the same batch keeps
+    drafting; a request admitted to a k = 0 tier never drafts; greedy T = 0 tokens do not depend on k."""
+    from decoder.engine import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, eos_token_ids=())
+    loop = BatchingLoop(engine, {"standard": 0.0, "lossless": 0.0}, draft_lengths={"standard": 3, "lossless": 3})
+    try:
+        with pytest.raises(ValueError, match="lossless"):
+            loop.set_tier_draft_lengths({"lossless": -1})
+        lossless = _collect(loop, "lossless", [257, 100], greedy, "lossless")
+        standard = _collect(loop, "standard", [257, 101], greedy, "standard")
+        first = lossless.get(timeout=60)
+        assert first.draft_length == 3
+        loop.set_tier_draft_lengths({"lossless": 0})
+        lossless_events = [first, *_drain(lossless)]
+        standard_events = _drain(standard)
+        # A request admitted while its tier runs k = 0: plain decoding from its first step.
+        admitted = _drain(_collect(loop, "admitted", [257, 100], greedy, "lossless"))
+    finally:
+        loop.stop()
+    steps = [e for e in lossless_events if not e.finished]
+    switch = next(i for i, e in enumerate(steps) if e.draft_length == 0)
+    assert 0 < switch < len(steps) - 5, "the push reached the running row within a few steps"
+    assert all(e.draft_length == 0 and e.drafted == 0 and len(e.new_token_ids) == 1 for e in steps[switch:])
+    standard_steps = [e for e in standard_events if not e.finished]
+    assert all(e.draft_length == 3 for e in standard_steps)
+    assert sum(e.drafted for e in standard_steps[switch:]) > 0, "the other tier kept drafting"
+    plain = [e for e in admitted if not e.finished]
+    assert all(e.draft_length == 0 and e.drafted == 0 for e in plain)
+    tokens = [t for e in steps for t in e.new_token_ids]
+    assert tokens == [t for e in plain for t in e.new_token_ids], "greedy T = 0 output does not depend on k"
+
+
+def test_the_controller_models_the_served_pair_where_a_calibrated_profile_exists() -> None:
+    from controller.control_loop import FSDController, served_operating_model
+    from sim.profile import PROFILES_DIR, Profile
+
+    model, source = served_operating_model("smollm2-135m", "kl")
+    assert model is not None and "calibrated profile sim/profiles/smollm2-135m.json" in source
+    expected = Profile.load(PROFILES_DIR / "smollm2-135m.json").to_operating_model(div="kl")
+    assert model.points == expected.points and model.cost == expected.cost and 0 in model.draft_lengths
+    for pair in ("tiny", "../smollm2-135m"):  # no profile of its own; never a path outside the profiles
+        model, source = served_operating_model(pair, "kl")
+        assert model is None and source.startswith("default model"), (pair, source)
+    controller = FSDController(parse_config({"model": {"pair": "tiny"}}).model_dump(mode="json"), start_loop=False)
+    assert controller.status(history=0)["operating_model"].startswith("default model")

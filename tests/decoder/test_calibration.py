@@ -138,6 +138,21 @@ def test_latency_fit_reproduces_its_points() -> None:
     assert float(m.iteration_ms(4, 4)) == pytest.approx(4 * (9 + 1.5 * 4) + 40 + 6 * 4 + 2.5 * 16)
 
 
+def test_latency_fit_measures_plain_decoding_where_k_0_was_timed() -> None:
+    points = _latency_points(9.0, 1.5, 40.0, 6.0, 2.5, 3.0, 1.6)
+    assert fit_latency(points).model.plain_step_a_ms is None  # k = 0 not timed: derived by the profile
+    plain_a, plain_b = 30.0, 4.0
+    plain = [LatencySample(phase="decode", k=0, batch=b, tokens=100.0, n=3, verify_ms=0.9 * (plain_a + plain_b * b),
+                           overhead_ms=0.1 * (plain_a + plain_b * b)) for b in (1, 2, 4, 8)]
+    fit = fit_latency(points + plain)
+    m = fit.model
+    assert (m.plain_step_a_ms, m.plain_step_b_ms) == pytest.approx((plain_a, plain_b), rel=1e-6)
+    assert fit.quality.plain_max_rel_error is not None and fit.quality.plain_max_rel_error < 1e-6
+    # k = 0 points stay out of the speculative fit: it is the same as without them.
+    assert (m.verify_a_ms, m.verify_b_ms, m.verify_c_ms) == pytest.approx((40.0, 6.0, 2.5), rel=1e-6)
+    assert float(m.iteration_ms(4, 0)) == pytest.approx(plain_a + plain_b * 4)
+
+
 def test_latency_fit_stays_non_negative() -> None:
     # Timings that fall with batch size would need a negative slope; the profile forbids it.
     pts = _latency_points(9.0, 0.0, 40.0, 0.0, 0.0, 3.0, 1.0)
@@ -217,6 +232,15 @@ def test_tiny_profile_validates_and_round_trips(tiny_profile: Profile, tmp_path)
     assert json.loads(path.read_text())["schema_version"] == 1
 
 
+def test_tiny_profile_measures_plain_decoding(tiny_profile: Profile) -> None:
+    lat = tiny_profile.latency
+    assert tiny_profile.plain_decoding_source == "measured"
+    assert lat.plain_step_a_ms is not None and lat.plain_step_b_ms is not None
+    assert float(lat.iteration_ms(1, 0)) > 0
+    model = tiny_profile.to_operating_model()
+    assert 0 in model.draft_lengths and "k = 0 measured" in model.source
+
+
 def test_tiny_profile_covers_the_grid(tiny_profile: Profile) -> None:
     assert tiny_profile.divs() == ["js", "kl"]
     assert tiny_profile.draft_lengths("kl") == [2, 4]
@@ -268,8 +292,9 @@ def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
                 p, size = tiny_profile.distortion_events(div, float(t), k)
                 assert 0.0 <= size <= 1.0 and p * size == pytest.approx(tiny_profile.mean_distortion(div, float(t), k))
     decode = [s for s in record.latency if s.phase == "decode"]
-    assert {(s.k, s.batch) for s in decode} == {(2, 1), (2, 3), (4, 1), (4, 3)}
-    assert all(s.draft_ms > 0 and s.verify_ms > 0 and s.n >= 1 for s in decode)
+    assert {(s.k, s.batch) for s in decode} == {(0, 1), (0, 3), (2, 1), (2, 3), (4, 1), (4, 3)}
+    assert all(s.draft_ms > 0 and s.verify_ms > 0 and s.n >= 1 for s in decode if s.k >= 1)
+    assert all(s.verify_ms > 0 and s.n >= 1 for s in decode if s.k == 0)  # k = 0: the target forward alone
     prefill = [s for s in record.latency if s.phase == "prefill"]
     assert {s.tokens for s in prefill if s.batch == 1} >= {16.0, 64.0}
 
@@ -283,7 +308,7 @@ def test_acceptance_can_be_reused_and_only_latency_remeasured(tiny_profile: Prof
     assert again.acceptance == tiny_profile.acceptance
     record = CalibrationRecord.model_validate(again.calibration)
     assert record.settings.clock == "cpu" and record.settings.divs == ("kl", "js")
-    assert {(s.k, s.batch) for s in record.latency if s.phase == "decode"} == {(4, 1), (4, 2)}
+    assert {(s.k, s.batch) for s in record.latency if s.phase == "decode"} == {(0, 1), (0, 2), (4, 1), (4, 2)}
     assert all(0 < s.cpu_fraction <= 1 for s in record.latency)
     with pytest.raises(ValueError, match="temperature"):
         calibrate(tiny_pair(), settings.model_copy(update={"temperature": 0.7}), acceptance_from=tiny_profile)

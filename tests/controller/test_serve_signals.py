@@ -72,7 +72,7 @@ def _start_serving(config: Path, port: int, log_path: Path, attempts: int = 3) -
     for attempt in range(1, attempts + 1):
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "serve", str(config)],
+                [sys.executable, "-m", "fsd_cli", "serve", str(config)],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_ADDRESS": ""},
                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as `fsd serve &` in a script
             )

@@ -357,12 +357,13 @@ def test_closed_loop_raises_t_under_load_and_lowers_it_after(service: str, clien
     _set_policy(client, {"policy": "pid", "tiers": ["standard"], "metric": "e2e", "kp": 0.3, "ki": 0.1,
                          "max_rate": 0.25, "guards": False})
 
-    def trajectory() -> list[float]:
-        return [h["thresholds"]["standard"] for h in _status(client, history=1000)["history"]]
+    def ticks() -> list[dict[str, Any]]:
+        # Decisions only (promotions carry no time); the history is bounded, so select by time, not length.
+        return [h for h in _status(client, history=1000)["history"] if "time_s" in h]
 
-    start_len = len(trajectory())
+    start_s = max((h["time_s"] for h in ticks()), default=-1.0)
     asyncio.run(_fire(service, 48, body, concurrency=12))
-    heavy = trajectory()[start_len:]
+    heavy = [h["thresholds"]["standard"] for h in ticks() if h["time_s"] > start_s]
     peak = max(heavy)
     assert peak >= 0.1, f"T should rise while the E2E SLO is violated; trajectory {heavy}"
 

@@ -30,7 +30,7 @@ demo: venv
 
 test: venv
 	$(BIN)/ruff check decoder policies sim controller fsd_cli fsd_common fsd_vllm tests benchmarks
-	$(BIN)/mypy policies sim fsd_cli fsd_common decoder/calibration.py decoder/baseline.py decoder/pairs.py
+	$(BIN)/mypy policies sim fsd_cli fsd_common decoder controller fsd_vllm
 	$(BIN)/python -m pytest -q -ra
 
 bench: venv

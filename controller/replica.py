@@ -38,7 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller import protocol
 from controller.batching import BatchingLoop, ReplicaCounters, TokenEvent
-from controller.config import FSDConfig, format_validation_error, parse_config
+from controller.config import FSDConfig, parse_config
+from fsd_common.validation import format_validation_error
 from policies.slo import SLOSpec
 from policies.tiers import apply_decision, request_threshold, safe_thresholds
 
@@ -79,7 +80,7 @@ def _serve_sender(timeout_s: float) -> ReportSender:
             reply: protocol.ReportReply = await asyncio.wait_for(response, timeout_s)
         except BaseException:
             with contextlib.suppress(Exception):
-                response.cancel()
+                response.cancel()  # type: ignore[no-untyped-call]  # Ray's ObjectRef.cancel is unannotated
             raise
         return reply
 

@@ -98,7 +98,7 @@ def start_serve(http_options: dict[str, Any], proxy_location: str | None = None,
             logger.warning("serve.start failed (attempt %d/%d: %s); restarting Serve", attempt, attempts,
                            type(exc).__name__)
             try:
-                serve.shutdown()
+                serve.shutdown()  # type: ignore[no-untyped-call]  # Ray Serve's shutdown() is unannotated
             except Exception:  # a half-started Serve; the next serve.start builds a fresh controller
                 logger.warning("serve.shutdown after a failed start raised", exc_info=True)
 
@@ -181,7 +181,7 @@ class Service:
             logger.warning("cancelling in-flight requests failed", exc_info=True)
         try:
             if self._own_cluster:
-                serve.shutdown()
+                serve.shutdown()  # type: ignore[no-untyped-call]  # Ray Serve's shutdown() is unannotated
             else:
                 serve.delete(self.cfg.serve.app_name)
         except BaseException:  # shutting down anyway (even on a second Ctrl-C); Ray's teardown still runs

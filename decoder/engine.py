@@ -450,7 +450,8 @@ class FSDEngine:
             logits_to_keep=logits_to_keep,
         )
         cache.commit()
-        return out.logits
+        logits: torch.Tensor = out.logits  # the model's output is untyped (Any)
+        return logits
 
     def _padded(self, sequences: list[list[int]], width: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, width] on the model's device (one copy) and their valid mask on the host (the caches

@@ -37,11 +37,12 @@ def _grown_capacity(needed: int, current: int) -> int:
     return max(needed + _GROWTH_SLOTS, int(current * _GROWTH_FACTOR))
 
 
-class _SlotLayer(DynamicLayer):
+# transformers' cache layers are unannotated (their __init_subclass__ and __init__ included).
+class _SlotLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     """One layer's preallocated buffers; all writes go through :meth:`BatchKVCache.update`."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # DynamicLayer.__init__ is unannotated
         self.keys: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
 
@@ -50,7 +51,11 @@ class BatchKVCache(Cache):
     """KV cache of one model for a batch of independent sequences (see the module docstring)."""
 
     def __init__(self, num_layers: int, batch_size: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(layers=[_SlotLayer() for _ in range(num_layers)])
+        slot_layers = [_SlotLayer() for _ in range(num_layers)]
+        super().__init__(layers=list(slot_layers))
+        # The same layer objects as Cache.layers (which transformers types as a union of every layer kind),
+        # typed as what they are here. Only Cache.update appends to `layers`, and it is overridden below.
+        self._slot_layers: list[_SlotLayer] = slot_layers
         self.device = torch.device(device)
         self.length = 0  # slots in use, shared by all rows
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool)  # [batch, length], host
@@ -70,7 +75,7 @@ class BatchKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.length + query_length, 0
 
     # -------------------------------------------------------------- forward
@@ -100,11 +105,11 @@ class BatchKVCache(Cache):
         mask = torch.cat([old_part, new_part], dim=2)[:, None]
         return positions, mask.to(self.device)
 
-    def update(  # type: ignore[override]
+    def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values at slots ``[length, length + q)`` and return all slots so far."""
-        layer = self.layers[layer_idx]
+        layer = self._slot_layers[layer_idx]
         q = key_states.shape[2]
         end = self.length + q
         if layer.keys is None or layer.keys.shape[2] < end:
@@ -165,7 +170,7 @@ class BatchKVCache(Cache):
         # A stable sort on validity puts each row's holes first and keeps its tokens in order.
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.length - new_length :]
         order_on_device = order.to(self.device)
-        for layer in self.layers:
+        for layer in self._slot_layers:
             if layer.keys is None or layer.values is None:
                 continue
             index = order_on_device[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
@@ -181,7 +186,7 @@ class BatchKVCache(Cache):
         """Keep only ``rows`` (a 1-D long index, best a host list or tensor), in that order."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         rows_on_device = rows.to(self.device)
-        for layer in self.layers:
+        for layer in self._slot_layers:
             if layer.keys is not None and layer.values is not None:
                 layer.keys = layer.keys.index_select(0, rows_on_device)
                 layer.values = layer.values.index_select(0, rows_on_device)
@@ -193,7 +198,7 @@ class BatchKVCache(Cache):
         """Append ``other``'s rows after this cache's rows, aligning both to the right."""
         new_length = max(self.length, other.length)
         capacity = _grown_capacity(new_length, 0)
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
+        for mine, theirs in zip(self._slot_layers, other._slot_layers, strict=True):
             ref = mine if mine.keys is not None else theirs
             if ref.keys is None or ref.values is None:
                 continue  # neither side has a token yet: buffers are made at the first write

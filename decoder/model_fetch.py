@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoder.models import _drop_quantizer, _load_hf, cache_dir
+from decoder.models import _drop_quantizer, _load_hf, _to, cache_dir
 
 Progress = Callable[[str], None]
 
@@ -236,7 +236,7 @@ def convert_gguf(
 def _cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     import copy
 
-    clone = copy.deepcopy(model).to(dtype)
+    clone = _to(copy.deepcopy(model), dtype)
     _drop_quantizer(clone)
     return clone
 
@@ -255,7 +255,7 @@ def load_smollm2(
                 model, tokenizer = convert_gguf(
                     gguf, out_dir, load_dtype=torch.float32, save_dtype=torch.float32, progress=progress
                 )
-                return model.to(dtype), tokenizer
+                return _to(model, dtype), tokenizer
     return _load_hf(str(out_dir), dtype)
 
 

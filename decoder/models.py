@@ -97,21 +97,24 @@ def encode_prompt(
             return _apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
         ids = list(tokenizer.encode(prompt, add_special_tokens=True))
     elif isinstance(prompt, Sequence):
-        messages = list(prompt)
-        if not messages:
+        # Typed as object: the messages come from callers (JSON) and are checked one by one below.
+        raw_messages: list[object] = list(prompt)
+        if not raw_messages:
             raise ValueError("empty prompt: the message list is empty")
-        for i, message in enumerate(messages):
+        messages: list[dict[str, Any]] = []
+        for i, message in enumerate(raw_messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("content"), str):
                 raise ValueError(
                     f"message {i} must be a mapping with a string 'content' and a 'role', got {message!r}"
                 )
             if not isinstance(message.get("role"), str):
                 raise ValueError(f"message {i} has no string 'role': {message!r}")
+            messages.append(dict(message))
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} has no chat template; pass the prompt as plain text"
             )
-        ids = _apply_chat_template(tokenizer, [dict(m) for m in messages])
+        ids = _apply_chat_template(tokenizer, messages)
     else:
         raise ValueError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}")
     if not ids:
@@ -242,13 +245,16 @@ def quantize_int8_dynamic(model: PreTrainedModel) -> PreTrainedModel:
     Converts the model to fp32 first: the dynamic quantized kernels take fp32 activations. On CPU
     this is the fastest draft by far (see MEASURED.md: 2-4x faster per forward than bf16).
     """
-    model = model.float()
+    model = model.float()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.float is unannotated
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here.
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)
-        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        # torch's quantize_dynamic is unannotated.
+        torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
+            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+        )
     return model
 
 
@@ -259,8 +265,15 @@ def is_int8_dynamic(model: torch.nn.Module) -> bool:
     return any(isinstance(m, DynamicQuantizedLinear) for m in model.modules())
 
 
+def _to(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """``model.to(dtype)``, typed: transformers wraps ``PreTrainedModel.to`` in a decorator that mypy sees as
+    an unbound ``functools._Wrapped`` (expecting the model as its first argument) returning Any."""
+    moved: PreTrainedModel = model.to(dtype)  # type: ignore[arg-type]
+    return moved
+
+
 def _freeze(model: PreTrainedModel) -> PreTrainedModel:
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is unannotated
     for param in model.parameters():
         param.requires_grad_(False)
     return model
@@ -317,7 +330,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(TINY_SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(
+    # transformers' tokenizer constructors are unannotated.
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -354,6 +368,7 @@ def tiny_pair(
     if draft_noise < 0:
         raise ValueError(f"draft_noise must be >= 0, got {draft_noise}")
     special_ids = tokenizer.convert_tokens_to_ids(list(TINY_SPECIAL_TOKENS))
+    assert isinstance(special_ids, list)  # a list of tokens maps to a list of ids
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -370,7 +385,7 @@ def tiny_pair(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # model init draws from the global RNG; fork_rng restores it after
-        target = LlamaForCausalLM(config).to(torch.float32)
+        target = _to(LlamaForCausalLM(config), torch.float32)
     draft = copy.deepcopy(target)
     noise_rng = torch.Generator().manual_seed(seed * 1_000_003 + 17)
     with torch.no_grad():
@@ -414,7 +429,7 @@ def _make_draft(model: PreTrainedModel, draft_dtype: DTypeLike, *, copy_of: bool
     draft = copy.deepcopy(model) if copy_of else model
     if _is_int8(draft_dtype):
         return quantize_int8_dynamic(draft)
-    return draft.to(resolve_dtype(draft_dtype, model.dtype))
+    return _to(draft, resolve_dtype(draft_dtype, model.dtype))
 
 
 def _assemble(
@@ -470,10 +485,11 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
 
 def _drop_quantizer(model: PreTrainedModel) -> None:
     """Forget GGUF provenance: the weights are already dequantized, and save_pretrained refuses otherwise."""
-    model.hf_quantizer = None
+    # Attributes transformers sets on the instance; mypy sees only nn.Module.__setattr__ (Tensor | Module).
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.is_quantized = False
+    model.is_quantized = False  # type: ignore[assignment]
 
 
 def load_custom_pair(target_src: str, draft_src: str, *, dtype: DTypeLike, draft_dtype: DTypeLike) -> ModelPair:

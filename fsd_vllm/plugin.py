@@ -30,7 +30,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,7 +214,7 @@ def fsd_rejection_sample(
     use_fp64_gumbel: bool = False,
 ) -> torch.Tensor:  # [batch_size, max_spec_len + 1] int32
     """Drop-in for vLLM 0.32.0's ``rejection_sample`` (same signature) applying the FSD rule."""
-    original = _ORIGINALS["rejection_sample"]
+    original: Callable[..., torch.Tensor] = _ORIGINALS["rejection_sample"]  # vLLM's, untyped without vllm
     passthrough = (
         draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
         bonus_token_ids, sampling_metadata,
@@ -259,7 +259,7 @@ def expand_batch_to_tokens_native(
     return torch.repeat_interleave(values, counts, output_size=num_tokens)
 
 
-def _patch_input_batch(input_batch_cls: type) -> None:
+def _patch_input_batch(input_batch_cls: type[Any]) -> None:  # vLLM's InputBatch (vllm is optional here)
     """Carry each request's FSD arguments from its SamplingParams to the batch's SamplingMetadata."""
     original_add = input_batch_cls.add_request
     original_make = input_batch_cls._make_sampling_metadata
@@ -269,7 +269,8 @@ def _patch_input_batch(input_batch_cls: type) -> None:
         table = self.__dict__.setdefault(_FSD_ATTR, {})
         params = getattr(request, "sampling_params", None)
         table[request.req_id] = RequestFSDArgs.from_extra_args(getattr(params, "extra_args", None))
-        return original_add(self, request)
+        index: int = original_add(self, request)
+        return index
 
     @functools.wraps(original_make)
     def _make_sampling_metadata(self: Any) -> Any:

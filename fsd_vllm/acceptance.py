@@ -227,7 +227,22 @@ def fsd_rejection_sample_flat(
 
     charged = emitted & fuzzy[flat]  # [B, k]
     fuzzy_accepted = charged & ~standard[flat]
-    if bool(charged.any()):
+    if div == "draft_tokens" and bool((t > 0).any()):
+        # D depends on the drafted token: the emitted law at every reached position (accepted or the
+        # recovered one) mixes p and q over the fuzzy set F; charge its exact TV to p, as the native
+        # engine does (decoder/acceptance.py, _emitted_law_tv). Greedy rows: a point mass, 1[x != argmax].
+        fuzzy_set = ((p - q).abs() <= t[:, None]) & (t > 0)[:, None]  # [N, V]
+        if rule == "reducible":
+            law_tv = torch.where(fuzzy_set, (q - p).clamp_min(0.0), 0.0).sum(dim=-1)  # [N]
+        else:
+            q_fuzzy = torch.where(fuzzy_set, q, 0.0)
+            law_tv = 0.5 * (q_fuzzy - q_fuzzy.sum(dim=-1, keepdim=True) * p).abs().sum(dim=-1)  # [N]
+        reached = positions[None, :] < torch.minimum(num_accepted + 1, counts)[:, None]  # [B, k]
+        sampled_charge = reached & ~greedy[flat] & (t > 0)[flat]
+        greedy_charge = charged & greedy[flat]
+        per_position = torch.where(greedy, (x != target_argmax).float(), law_tv)  # [N]
+        distortion = torch.where(sampled_charge | greedy_charge, per_position[flat], 0.0).sum(dim=1)
+    elif bool(charged.any()):
         tv = d if div == "tv" else divergence(p, q, "tv")  # [N]
         per_position = torch.where(greedy, (x != target_argmax).float(), tv)  # [N]
         distortion = torch.where(charged, per_position[flat], 0.0).sum(dim=1)

@@ -13,10 +13,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -104,3 +106,21 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     for section, values in overrides.items():
         data.setdefault(section, {}).update(values)
     return data
+
+
+@contextmanager
+def deployed_app(ray_serve: RayServe, config: Mapping[str, Any], name: str, route_prefix: str = "/") -> Iterator[str]:
+    """Deploy the FSD app built from ``config`` (a :func:`tiny_config`-style mapping) as ``name``; yield its
+    base URL once a replica reports to the controller; delete the app afterwards (the session's Serve stays)."""
+    from ray import serve
+
+    from controller.app import build_app
+    from controller.config import parse_config
+
+    serve.run(build_app(parse_config(dict(config))), name=name, route_prefix=route_prefix)
+    url = ray_serve.base_url + ("" if route_prefix == "/" else route_prefix)
+    try:
+        wait_until(lambda: httpx.get(f"{url}/v1/fsd/status", timeout=5).json()["replicas"], 60, "replicas reporting")
+        yield url
+    finally:
+        serve.delete(name)

@@ -16,7 +16,7 @@ import httpx
 import openai  # a dev dependency: a missing client must fail the suite, not skip it
 import pytest
 
-from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
+from tests.controller.conftest import ADMIN_TOKEN, RayServe, deployed_app, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -31,18 +31,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def service(ray_serve: RayServe) -> Iterator[str]:
-    from ray import serve
-
-    from controller.app import build_app
-    from tests.controller.test_service import _wait
-
-    serve.run(build_app(tiny_config(control={"policy": PINNED_POLICY})), name=APP, route_prefix="/")
-    url = ray_serve.base_url
-    _wait(lambda: httpx.get(f"{url}/v1/fsd/status", timeout=5).json()["replicas"], 60, "replicas reporting")
-    try:
+    with deployed_app(ray_serve, tiny_config(control={"policy": PINNED_POLICY}), APP) as url:
         yield url
-    finally:
-        serve.delete(APP)
 
 
 @pytest.fixture(scope="module")

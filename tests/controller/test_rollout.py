@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
+from tests.controller.conftest import ADMIN_TOKEN, RayServe, deployed_app, tiny_config
 from tests.controller.conftest import wait_until as _wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -33,11 +33,6 @@ SHADOW_POLICY = {"policy": "static", "thresholds": {"standard": 0.75, "economy":
 @pytest.fixture(scope="module")
 def rollout_service(ray_serve: RayServe, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """The tiny service with recording on; yields (base URL, the config YAML it runs)."""
-    from ray import serve
-
-    from controller.app import build_app
-    from controller.config import parse_config
-
     tmp = tmp_path_factory.mktemp("rollout")
     data = tiny_config(control={"policy": LIVE_POLICY},
                        recording={"enabled": True, "path": str(tmp / "recording.csv"), "max_bytes": 1_000_000,
@@ -45,13 +40,8 @@ def rollout_service(ray_serve: RayServe, tmp_path_factory: pytest.TempPathFactor
     data["serve"]["app_name"] = APP
     config_path = tmp / "fsd.yaml"
     config_path.write_text(yaml.safe_dump(data))
-    serve.run(build_app(parse_config(data)), name=APP, route_prefix="/")
-    url = ray_serve.base_url
-    _wait(lambda: httpx.get(f"{url}/v1/fsd/status", timeout=5).json()["replicas"], 60, "replicas reporting")
-    try:
+    with deployed_app(ray_serve, data, APP) as url:
         yield url, config_path
-    finally:
-        serve.delete(APP)
 
 
 def _requests(n: int) -> list[dict[str, Any]]:

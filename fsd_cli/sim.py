@@ -182,7 +182,8 @@ def handle_replay(args: argparse.Namespace) -> int:
         specs = [args.policy] if args.policy else []
     if LIVE in specs:
         raise ValueError(f"--policies: {LIVE!r} names the config's live policy, the baseline; drop it")
-    policies = {LIVE: sim_policy(inputs.live_policy, slo, profile, config.k)}
+    policies = {LIVE: sim_policy(inputs.live_policy, slo, profile, config.k,
+                                 inputs.replica_bounds if config.honour_policy_replicas else None)}
     policies.update({spec: build_policy(spec, slo, profile, config.k) for spec in specs})
     result = replay(requests, slo, profile, config, policies, baseline=LIVE)
     rows = []

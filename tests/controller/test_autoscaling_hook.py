@@ -128,3 +128,55 @@ def test_app_installs_the_hook_only_when_the_policy_steers_replicas() -> None:
     assert replica_options(theirs)["autoscaling_config"]["policy"] == own["policy"]
     fixed = parse_config({"serve": {"num_replicas": 2}})
     assert steered_replica_bounds(fixed) is None and "autoscaling_config" not in replica_options(fixed)
+
+
+APP = "fsd-hook"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_decision_for_two_replicas_makes_serve_run_two(ray_serve: Any) -> None:
+    """The shipped policy asks for 2 replicas (its floor, min_replicas 2, within Serve's 1..2) with no
+    traffic at all: Serve's default policy would keep 1, so a second replica running proves the hook."""
+    from ray import serve
+
+    from controller.app import REPLICA_DEPLOYMENT, build_app
+    from tests.controller.conftest import tiny_config, wait_until
+
+    cfg = parse_config(tiny_config(
+        serve={"app_name": APP, "route_prefix": "/hook", "num_replicas": None,
+               "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0,
+                                      "downscale_delay_s": 600}},
+        control={"policy": {"policy": "slo", "min_replicas": 2}},
+    ))
+    serve.run(build_app(cfg), name=APP, route_prefix="/hook")
+    try:
+        import httpx
+
+        url = f"{ray_serve.base_url}/hook"
+
+        def controller_asks_two() -> dict[str, Any] | None:
+            st = httpx.get(f"{url}/v1/fsd/status", params={"history": 0}, timeout=10).json()
+            last = (st["autoscaling"]["publisher"] or {}).get("last") or {}
+            return st if last.get("replicas") == 2 else None
+
+        st = wait_until(controller_asks_two, 120, "the controller to publish the policy's 2 replicas")
+        assert st["autoscaling"]["replica_bounds"] == [1, 2]
+        assert st["last_decision"]["replicas"] == 2
+
+        def serve_runs_two() -> int | None:
+            deployment = serve.status().applications[APP].deployments[REPLICA_DEPLOYMENT]
+            running = int(deployment.replica_states.get("RUNNING", 0))
+            return running if running == 2 else None
+
+        assert wait_until(serve_runs_two, 180, "Serve to run the 2 replicas the policy asked for") == 2
+        # Both report to the controller, and both run its current decision.
+        def both_report() -> list[dict[str, Any]] | None:
+            reps: list[dict[str, Any]] = httpx.get(f"{url}/v1/fsd/status", params={"history": 0},
+                                                   timeout=10).json()["replicas"]
+            return reps if len(reps) == 2 else None
+
+        reps = wait_until(both_report, 120, "both replicas to report")
+        assert len({r["replica_id"] for r in reps}) == 2
+    finally:
+        serve.delete(APP)

@@ -55,6 +55,14 @@ class SimConfig(BaseModel):
     horizon_iters: int = Field(48, ge=1, description="iterations drawn per segment at most (speed only)")
     replica_usd_per_hour: float | None = Field(None, gt=0)
 
+    def policy_replica_bounds(self) -> tuple[int, int] | None:
+        """(min, max) replicas a policy may ask for when its ``Decision.replicas`` drives the autoscaler
+        (``honour_policy_replicas`` with an autoscaler); None otherwise. Pass it to
+        ``make_policy(..., replica_bounds=...)``."""
+        if self.autoscaler is None or not self.honour_policy_replicas:
+            return None
+        return self.autoscaler.min_replicas, self.autoscaler.max_replicas
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "sim config") -> SimConfig:
         try:

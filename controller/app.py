@@ -31,7 +31,13 @@ from ray import serve
 from ray.serve import Application
 
 from controller.api import FSDIngress
-from controller.config import FSDConfig, config_from_env, parse_config
+from controller.autoscaling import POLICY_FUNCTION as AUTOSCALING_POLICY_FUNCTION
+from controller.config import (
+    FSDConfig,
+    config_from_env,
+    parse_config,
+    steered_replica_bounds,
+)
 from controller.control_loop import FSDController
 from controller.replica import FSDReplica
 
@@ -57,6 +63,10 @@ def replica_options(cfg: FSDConfig) -> dict[str, Any]:
     }
     if cfg.serve.autoscaling_config is not None:
         opts["autoscaling_config"] = dict(cfg.serve.autoscaling_config)
+        if steered_replica_bounds(cfg) is not None:
+            # The hand-off (controller/autoscaling.py): Serve's autoscaler scales to the policy's
+            # Decision.replicas, or by its default policy while the controller publishes none.
+            opts["autoscaling_config"]["policy"] = {"policy_function": AUTOSCALING_POLICY_FUNCTION}
     else:
         opts["num_replicas"] = cfg.serve.num_replicas
     return opts

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controller.autoscaling import POLICY_FUNCTION as AUTOSCALING_POLICY_FUNCTION
 from fsd_common.validation import format_validation_error
 from policies.slo import SLOSpec
 
@@ -116,6 +117,10 @@ class ControlConfig(_Section):
     )
     forget_replica_after_s: float = Field(
         60.0, gt=0, description="a replica silent this long leaves status and the window's state"
+    )
+    steer_replicas: bool = Field(
+        True, description="with serve.autoscaling_config: the policy's Decision.replicas drives Serve's autoscaler "
+        "through its custom-policy hook (controller.autoscaling); false = Serve's default request-based policy",
     )
 
 
@@ -261,3 +266,20 @@ def load_config(path: str | Path | None) -> FSDConfig:
 def config_from_env() -> FSDConfig:
     """The config named by ``$FSD_CONFIG`` (default service when unset) — for ``serve run``."""
     return load_config(os.environ.get(CONFIG_ENV) or None)
+
+
+def steered_replica_bounds(cfg: FSDConfig) -> tuple[int, int] | None:
+    """(min, max) replicas the policy may ask for when its ``Decision.replicas`` drives Serve's
+    autoscaler: ``serve.autoscaling_config`` is set, ``control.steer_replicas`` is on and the config
+    names no other autoscaling policy. None otherwise (the policy asks for no count). The bounds are
+    Serve's (its defaults when absent: 1 and 1)."""
+    auto = cfg.serve.autoscaling_config
+    if auto is None or not cfg.control.steer_replicas:
+        return None
+    policy = auto.get("policy")
+    if policy is not None:
+        name = policy.get("policy_function") if isinstance(policy, dict) else None
+        if name != AUTOSCALING_POLICY_FUNCTION:
+            return None
+    low, high = int(auto.get("min_replicas", 1)), int(auto.get("max_replicas", 1))
+    return max(1, low), max(1, low, high)

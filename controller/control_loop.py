@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from controller.config import FSDConfig, parse_config
+from controller.autoscaling import ReplicaCountPublisher, kv_available
+from controller.config import FSDConfig, parse_config, steered_replica_bounds
 from controller.metrics import MetricsState
 from controller.protocol import ReplicaReport, ReplicaState, ReportReply, ThresholdPush
 from controller.telemetry_agg import TelemetryAggregator, Window
@@ -57,13 +58,15 @@ logger = logging.getLogger("ray.serve")
 
 
 def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec,
-                 operating_model: OperatingModel | None = None) -> tuple[Policy, dict[str, Any]]:
+                 operating_model: OperatingModel | None = None,
+                 replica_bounds: tuple[int, int] | None = None) -> tuple[Policy, dict[str, Any]]:
     """(policy, normalised spec). ``operating_model``: the served pair's, for the model-predictive policy
-    (None: its default). ValueError naming the bad field."""
+    (None: its default); ``replica_bounds``: Serve's min/max when the policy's replica count drives its
+    autoscaler (None: it asks for none). ValueError naming the bad field."""
     from policies.registry import make_policy
 
     normalised: dict[str, Any] | str = dict(spec) if isinstance(spec, Mapping) else (spec or DEFAULT_POLICY_SPEC)
-    policy = make_policy(normalised, slo, operating_model=operating_model)
+    policy = make_policy(normalised, slo, operating_model=operating_model, replica_bounds=replica_bounds)
     return policy, (normalised if isinstance(normalised, dict) else {"policy": normalised})
 
 
@@ -115,6 +118,16 @@ def _actor_name() -> str | None:
         if not ray.is_initialized():  # outside Ray (tests): asking would start a cluster
             return None
         return ray.get_runtime_context().get_actor_name()
+    except Exception:
+        return None
+
+
+def _app_name() -> str | None:
+    """The Serve application this controller runs in (None outside Serve: nothing to publish to)."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().app_name)
     except Exception:
         return None
 
@@ -187,12 +200,13 @@ class FSDController:
         self._slo = self._cfg.slo
         self._operating_model, self._operating_model_source = served_operating_model(
             self._cfg.model.pair, self._cfg.model.div)
-        self._policy, self._policy_spec = build_policy(self._cfg.control.policy, self._slo, self._operating_model)
+        # Serve's replica bounds when the policy's Decision.replicas drives its autoscaler (else None).
+        self._replica_bounds = steered_replica_bounds(self._cfg)
+        self._policy, self._policy_spec = self._build(self._cfg.control.policy, self._slo)
         self._shadow: Policy | None = None
         self._shadow_spec: dict[str, Any] | None = None
         if self._cfg.control.shadow_policy is not None:
-            self._shadow, self._shadow_spec = build_policy(self._cfg.control.shadow_policy, self._slo,
-                                                           self._operating_model)
+            self._shadow, self._shadow_spec = self._build(self._cfg.control.shadow_policy, self._slo)
         self._thresholds = apply_decision(self._slo, {}, self._cfg.replica.initial_thresholds)
         self._draft_lengths: dict[str, int] = dict.fromkeys(self._slo.tiers, self._cfg.model.num_draft_tokens)
         self._version = 0
@@ -222,11 +236,25 @@ class FSDController:
         self._completions_counted = 0
         self._push_latencies_ms: deque[float] = deque(maxlen=10_000)
         self._max_telemetry_age_s = 0.0
+        self._replica_publisher: ReplicaCountPublisher | None = None
+        app_name = _app_name()
+        if self._replica_bounds is not None and app_name is not None and kv_available():
+            self._replica_publisher = ReplicaCountPublisher(app_name, self._interval)
         self._task: asyncio.Task[None] | None = None
         if start_loop:
             self._task = asyncio.get_running_loop().create_task(self._run())
         logger.info("FSD controller up: interval %.2fs, policy %s (operating model: %s), shadow %s, epoch %s",
                     self._interval, self._policy_spec, self._operating_model_source, self._shadow_spec, self._epoch)
+
+    def _build(self, spec: Mapping[str, Any] | str | None, slo: SLOSpec) -> tuple[Policy, dict[str, Any]]:
+        return build_policy(spec, slo, self._operating_model, self._replica_bounds)
+
+    def _publish_replicas(self, decision: Decision | None) -> None:
+        """Hand the active decision's replica count to Serve's autoscaler (controller.autoscaling): a
+        write in a worker thread, never awaited; None hands scaling back to Serve's default policy."""
+        if self._replica_publisher is not None:
+            self._replica_publisher.publish(decision.replicas if decision is not None else None,
+                                            self._epoch, self._version)
 
     def _now(self) -> float:
         """Seconds since this controller started (its monotonic clock; the policy's time axis)."""
@@ -339,6 +367,7 @@ class FSDController:
             if decision.reason.startswith("fail-safe"):
                 self._failsafe_decisions += 1
             self._apply(decision)
+        self._publish_replicas(decision)
         shadow: Decision | None = None
         if self._shadow is not None:
             try:
@@ -386,8 +415,8 @@ class FSDController:
             new_slo = SLOSpec.model_validate(dict(slo))
         except ValidationError as exc:
             raise ValueError(f"invalid slo: {format_validation_error(exc)}") from None
-        policy, spec = build_policy(self._policy_spec, new_slo, self._operating_model)
-        shadow = build_policy(self._shadow_spec, new_slo, self._operating_model)[0] if self._shadow_spec is not None else None
+        policy, spec = self._build(self._policy_spec, new_slo)
+        shadow = self._build(self._shadow_spec, new_slo)[0] if self._shadow_spec is not None else None
         async with self._lock:
             self._slo = new_slo
             self._aggregator.slo = new_slo
@@ -411,7 +440,7 @@ class FSDController:
             return self.status(history=0)
         if spec is None:
             raise ValueError("policy: a policy spec is required")
-        policy, normalised = build_policy(spec, self._slo, self._operating_model)
+        policy, normalised = self._build(spec, self._slo)
         async with self._lock:
             if shadow:
                 self._shadow, self._shadow_spec = policy, normalised
@@ -428,7 +457,7 @@ class FSDController:
 
         if self._shadow_spec is None:
             raise ValueError("promote: no shadow policy is set (PUT /v1/fsd/policy?shadow=true first)")
-        policy, spec = build_policy(self._shadow_spec, self._slo, self._operating_model)
+        policy, spec = self._build(self._shadow_spec, self._slo)
         async with self._lock:
             previous, self._policy, self._policy_spec = self._policy_spec, policy, spec
             self._shadow, self._shadow_spec, self._last_shadow = None, None, None
@@ -488,6 +517,10 @@ class FSDController:
             "slo": self._slo.model_dump(mode="json"),
             "policy": describe_policy(self._policy, self._policy_spec),
             "operating_model": self._operating_model_source,
+            "autoscaling": {
+                "replica_bounds": list(self._replica_bounds) if self._replica_bounds is not None else None,
+                "publisher": self._replica_publisher.stats() if self._replica_publisher is not None else None,
+            },
             "shadow_policy": describe_policy(self._shadow, self._shadow_spec),
             "last_decision": _decision_dict(self._last_decision),
             "last_shadow_decision": _decision_dict(self._last_shadow),

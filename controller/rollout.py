@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from controller.config import FSDConfig
+from controller.config import FSDConfig, steered_replica_bounds
 from controller.recording import TrafficRecord, TrafficRecorder
 from policies.base import Policy
 from policies.registry import DEFAULT_POLICY_SPEC
@@ -53,6 +53,9 @@ class SimInputs:
     live_policy: dict[str, Any] | str
     config: SimConfig
     notes: tuple[str, ...] = ()
+    #: Serve's (min, max) replicas when the live policy's Decision.replicas drives its autoscaler (the
+    #: simulator then honours the policy's count, as the live hook does); None otherwise.
+    replica_bounds: tuple[int, int] | None = None
 
 
 def live_policy_spec(cfg: FSDConfig) -> dict[str, Any] | str:
@@ -60,6 +63,8 @@ def live_policy_spec(cfg: FSDConfig) -> dict[str, Any] | str:
 
 
 _AUTOSCALER_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
+#: Serve's autoscaling_config keys the simulator mirrors otherwise (the hand-off's policy: honour_policy_replicas).
+_MIRRORED_KEYS = ("initial_replicas", "policy")
 
 
 def sim_inputs(cfg: FSDConfig, *, seed: int = 0, replicas: int | None = None) -> SimInputs:
@@ -78,24 +83,30 @@ def sim_inputs(cfg: FSDConfig, *, seed: int = 0, replicas: int | None = None) ->
     auto = cfg.serve.autoscaling_config
     if auto is not None and replicas is None:
         known = {k: auto[k] for k in _AUTOSCALER_KEYS if k in auto}
-        ignored = sorted(set(auto) - set(_AUTOSCALER_KEYS) - {"initial_replicas"})
+        ignored = sorted(set(auto) - set(_AUTOSCALER_KEYS) - set(_MIRRORED_KEYS))
         if ignored:
             notes.append(f"serve.autoscaling_config keys the simulator does not model: {ignored}")
         scaler = AutoscalerConfig.model_validate(known)
         cluster["autoscaler"] = scaler
         cluster["replicas"] = int(auto.get("initial_replicas") or scaler.min_replicas)
+        bounds = steered_replica_bounds(cfg)
+        cluster["honour_policy_replicas"] = bounds is not None
     else:
         cluster["replicas"] = replicas or cfg.serve.num_replicas or 1
+        bounds = None
     return SimInputs(cfg.slo, live_policy_spec(cfg), SimConfig.from_dict(cluster, source="fsd config"),
-                     tuple(notes))
+                     tuple(notes), bounds)
 
 
-def sim_policy(spec: Mapping[str, Any] | str, slo: SLOSpec, profile: Profile, k: int | None) -> Policy:
-    """``spec`` built for the simulator (with the profile's speed curve and latency model)."""
+def sim_policy(spec: Mapping[str, Any] | str, slo: SLOSpec, profile: Profile, k: int | None,
+               replica_bounds: tuple[int, int] | None = None) -> Policy:
+    """``spec`` built for the simulator (with the profile's speed curve and latency model; with
+    ``replica_bounds``, asking for replicas within them as the live policy does behind the hook)."""
     from policies.registry import make_policy
 
     return make_policy(dict(spec) if isinstance(spec, Mapping) else spec, slo,
-                       speed_curve=profile.to_speed_curve(k=k), latency_model=profile.to_latency_model(k=k))
+                       speed_curve=profile.to_speed_curve(k=k), latency_model=profile.to_latency_model(k=k),
+                       replica_bounds=replica_bounds)
 
 
 def trace_from_records(rows: list[TrafficRecord], source: str = "recording window") -> Trace:

@@ -106,7 +106,7 @@ def handle(args: argparse.Namespace) -> int:
                                                 config.k or profile.default_k):
             print(f"warning: {warning}", file=sys.stderr)
     if args.action == "run":
-        policy = build_policy(args.policy, slo, profile, config.k)
+        policy = build_policy(args.policy, slo, profile, config.k, config.policy_replica_bounds())
         result = Simulator(config, profile, slo, workload, policy).run(progress=_progress_wanted(args))
         if args.json_out:
             write_json(result, args.json_out)
@@ -124,7 +124,7 @@ def handle(args: argparse.Namespace) -> int:
     runs: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     for spec in specs:
-        policy = build_policy(spec, slo, profile, config.k)
+        policy = build_policy(spec, slo, profile, config.k, config.policy_replica_bounds())
         result = Simulator(config, profile, slo, workload, policy).run(progress=_progress_wanted(args))
         rows.append(summary_row(spec, result.summary))
         runs[spec] = result_json(result, include_timeseries=False)
@@ -182,8 +182,9 @@ def handle_replay(args: argparse.Namespace) -> int:
         specs = [args.policy] if args.policy else []
     if LIVE in specs:
         raise ValueError(f"--policies: {LIVE!r} names the config's live policy, the baseline; drop it")
-    policies = {LIVE: sim_policy(inputs.live_policy, slo, profile, config.k)}
-    policies.update({spec: build_policy(spec, slo, profile, config.k) for spec in specs})
+    policies = {LIVE: sim_policy(inputs.live_policy, slo, profile, config.k, config.policy_replica_bounds())}
+    policies.update({spec: build_policy(spec, slo, profile, config.k, config.policy_replica_bounds())
+                     for spec in specs})
     result = replay(requests, slo, profile, config, policies, baseline=LIVE)
     rows = []
     for run in result.runs:

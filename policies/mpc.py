@@ -45,6 +45,18 @@ predicted to meet its targets, then the smallest share-weighted violation, then 
 then the least cost (which lets the loose tiers spend budget on capacity), then least distortion. Tiers without traffic get their least-distortion T and the k of the busiest
 tier (they must not widen the batch's draft).
 
+**Replicas (the hand-off to the autoscaler)**: with ``max_replicas`` set the policy also emits
+``Decision.replicas``: the fewest replicas in ``[min_replicas, max_replicas]`` at which the tiers'
+least-distortion candidates (every tier at its least modelled distortion, any k) are predicted to meet
+every latency target at the measured total arrival rate spread over them (steady state: no queue,
+the same model, corrections and margins as the (T, k) choice). The objective orders distortion
+before cost, so capacity is what buys distortion back. A count below the one emitted last must fit
+``scale_down_slack`` more load (hysteresis). The (T, k) choice plans at the replicas *serving* now
+(``Telemetry.replicas``; the rate per replica is the fleet's remembered rate over them): while new
+replicas start the fleet is short, so T and k absorb the burst within budget; once they serve the load
+per replica falls and T falls back. The owner applies the count with its own delays and bounds (the
+simulator's autoscaler; live, Ray Serve's autoscaler through ``controller.autoscaling``).
+
 The policy never reads a clock; time and every measurement come in the :class:`Telemetry`.
 """
 
@@ -204,6 +216,9 @@ class ModelPredictivePolicy:
       falls ``short_enter`` below its target is planned as short — the fastest point within budget,
       whatever the prediction says — until it is back within ``short_exit`` of it.
     * ``t_grid`` — extra T values considered per k besides the model's own points.
+    * ``min_replicas`` / ``max_replicas`` — bounds of the replica count it asks for (``max_replicas``
+      None: it asks for none, ``Decision.replicas`` stays None); ``scale_down_slack`` — a lower count
+      must fit this much more load than the measured rate before it is asked for.
     """
 
     name = "mpc"
@@ -226,6 +241,9 @@ class ModelPredictivePolicy:
         short_enter: float = 0.05,
         short_exit: float = 0.02,
         t_grid: Sequence[float] = (),
+        min_replicas: int = 1,
+        max_replicas: int | None = None,
+        scale_down_slack: float = 0.15,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -251,6 +269,14 @@ class ModelPredictivePolicy:
         self.short_enter, self.short_exit = short_enter, short_exit
         if min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        if min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        if max_replicas is not None and max_replicas < min_replicas:
+            raise ValueError(f"max_replicas {max_replicas} must be >= min_replicas {min_replicas}")
+        if not (math.isfinite(scale_down_slack) and scale_down_slack >= 0):
+            raise ValueError(f"scale_down_slack must be finite and >= 0, got {scale_down_slack}")
+        self.min_replicas, self.max_replicas, self.scale_down_slack = min_replicas, max_replicas, scale_down_slack
+        self.min_observed_s = 10.0  # seconds of windows before the arrival rate sizes the fleet
         self.slo = slo
         self.model = model if model is not None else OperatingModel.load(DEFAULT_MODEL_PATH)
         self.max_batch, self.prompt_tokens = max_batch, prompt_tokens
@@ -322,9 +348,11 @@ class ModelPredictivePolicy:
             name: cost.prefill_fixed_ms + cost.prefill_ms_per_token * self.prompt_tokens for name in self.tier_names
         }
         self.shares = np.full(n, math.nan)
-        self.arrival_rate = math.nan  # per replica, req/s
+        self.arrival_rate = math.nan  # per serving replica, req/s (the fleet's rate over the replicas now)
+        self.total_arrival_rate = math.nan  # whole fleet, req/s
         self.mean_output_tokens = math.nan
         self._arrivals_sum = self._time_sum = self._tokens_sum = self._completions_sum = 0.0
+        self.replicas_wanted: int | None = None  # the count asked for last (Decision.replicas)
         self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
         self.measured_attainment = {name: math.nan for name in self.tier_names}
         self.short = {name: False for name in self.tier_names}
@@ -354,11 +382,14 @@ class ModelPredictivePolicy:
         a = self.alpha
         replicas = max(1, telemetry.replicas)
         # Rates as ratios of exponentially decayed sums (memory ~1/(1 − decay) windows): a per-window
-        # ratio at a few requests per window is mostly noise.
+        # ratio at a few requests per window is mostly noise. The fleet's total rate is what is
+        # remembered; the rate per replica divides it by the replicas serving *now*, so capacity that
+        # arrives lowers the load per replica at once (and T falls back), not over the memory.
         d = self.rate_decay
-        self._arrivals_sum = d * self._arrivals_sum + telemetry.arrivals / replicas
+        self._arrivals_sum = d * self._arrivals_sum + telemetry.arrivals
         self._time_sum = d * self._time_sum + telemetry.window_s
-        self.arrival_rate = self._arrivals_sum / self._time_sum
+        self.total_arrival_rate = self._arrivals_sum / self._time_sum
+        self.arrival_rate = self.total_arrival_rate / replicas
         self._tokens_sum = d * self._tokens_sum + telemetry.output_tokens
         self._completions_sum = d * self._completions_sum + telemetry.completions
         if self._completions_sum >= 1.0:
@@ -417,7 +448,11 @@ class ModelPredictivePolicy:
                     ratio = min(max(window.mean_distortion / modelled_d, 0.25), 4.0)
                     self.distortion_correction[i] = _ewma(float(self.distortion_correction[i]), ratio, a)
             prediction = self.last_prediction.get(name)
-            if prediction is not None and window.ttft.count > 0 and math.isfinite(window.ttft.p50_ms):
+            # Only windows without a queue teach the prefill: under a backlog (a burst while replicas
+            # start) the residual is mostly queueing the wait model missed, and a prefill learned from
+            # it would inflate every prediction (and the replica count) long after the queue is gone.
+            if (prediction is not None and window.ttft.count > 0 and math.isfinite(window.ttft.p50_ms)
+                    and telemetry.queue_depth == 0 and math.isfinite(prediction["wait_ms"])):
                 residual = window.ttft.p50_ms - prediction["wait_ms"] - prediction["step_ms"]
                 self.prefill_ms[name] = _ewma(self.prefill_ms[name], max(residual, 0.0), a)
 
@@ -567,10 +602,80 @@ class ModelPredictivePolicy:
             f"{name}: T={chosen_t[name]:.3g} k={chosen_k[name]} (m={self.margin[name]:.2f})"
             for name in self.tier_names if active[self.tier_names.index(name)]
         ]
+        wanted = self._plan_replicas(ks, tokens, distortion, shares, act_idx, replicas)
+        scaling = "" if wanted is None else f", {replicas} replicas serving, {wanted} wanted"
         reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
-                  f"queue {queue:.2g}/replica; " + "; ".join(parts))
-        self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, reason=reason)
+                  f"queue {queue:.2g}/replica{scaling}; " + "; ".join(parts))
+        self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, replicas=wanted, reason=reason)
         return self.last_decision
+
+    # ------------------------------------------------------------------ replicas
+
+    def _steady_meets(self, ks: np.ndarray, tokens: np.ndarray, shares: np.ndarray, act_idx: Sequence[int],
+                      lam: float) -> np.ndarray:
+        """[n] bool: candidates ``ks``/``tokens`` [n, tiers] predicted to meet every active tier's
+        targets in steady state at ``lam`` requests/s per replica: no queue, the batch from Little's
+        law, the same step model, corrections, prefill and margins as :meth:`decide` (which also
+        sees the queue and the measured shortfall)."""
+        length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
+        f = self._step_ms(ks, shares, 0.0) * self.step_correction
+        p = self._step_ms(ks, shares, 1.0) * self.step_correction - f
+        mean_tokens = (tokens * shares).sum(axis=1)
+        x = lam * length / (1000.0 * mean_tokens)
+        denom = 1.0 - x * p
+        with np.errstate(divide="ignore", invalid="ignore"):
+            little = np.where(denom > 0, x * f / denom, np.inf)
+        ok = little <= self.max_batch
+        planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
+        step = f + p * np.clip(planned, 1.0, float(self.max_batch))
+        prefill_ms = float(np.mean([self.prefill_ms[self.tier_names[i]] for i in act_idx]))
+        stall = min(lam * prefill_ms / 1000.0, 0.9)
+        for i in act_idx:
+            name = self.tier_names[i]
+            tier = self.slo.tiers[name]
+            m = self.margin[name]
+            if tier.tpot_ms is not None:
+                ok &= m * step / tokens[:, i] / (1.0 - stall) <= tier.tpot_ms
+            if tier.ttft_ms is not None:
+                ok &= m * step + self.prefill_ms[name] <= tier.ttft_ms
+        return np.asarray(ok, dtype=bool)
+
+    def _plan_replicas(self, ks: np.ndarray, tokens: np.ndarray, distortion: np.ndarray, shares: np.ndarray,
+                       act_idx: Sequence[int], serving: int) -> int | None:
+        """The replica count to ask for (module docstring), or None without ``max_replicas``."""
+        high_bound = self.max_replicas
+        if high_bound is None:
+            return None
+        if self._time_sum < self.min_observed_s or not math.isfinite(self.total_arrival_rate):
+            # Too little seen for a rate (one early arrival reads as a flood): hold the fleet.
+            self.replicas_wanted = min(max(serving, self.min_replicas), high_bound)
+            return self.replicas_wanted
+        # Every active tier at its least modelled distortion (T at its floor; any k).
+        least = distortion[:, act_idx].min(axis=0)
+        base = np.flatnonzero(np.all(distortion[:, act_idx] <= least + 1e-12, axis=1))
+        ks_b, tokens_b = ks[base], tokens[base]
+
+        def fewest(rate: float) -> int:
+            def fits(replicas: int) -> bool:
+                return bool(self._steady_meets(ks_b, tokens_b, shares, act_idx, rate / replicas).any())
+
+            # Feasibility only grows with the count (less load on each): bisect [min, max].
+            low, high = self.min_replicas, high_bound
+            if fits(low):
+                return low
+            if not fits(high):
+                return high  # not even the most replicas meet it: ask for all of them
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (low, mid) if fits(mid) else (mid, high)
+            return high
+
+        wanted = fewest(self.total_arrival_rate)
+        if self.replicas_wanted is not None and wanted < self.replicas_wanted:
+            # Hysteresis: come down only to a count that fits some more load than measured.
+            wanted = min(self.replicas_wanted, fewest(self.total_arrival_rate * (1.0 + self.scale_down_slack)))
+        self.replicas_wanted = wanted
+        return wanted
 
     def params(self) -> dict[str, Any]:
         return {
@@ -589,6 +694,9 @@ class ModelPredictivePolicy:
             "short_enter": self.short_enter,
             "short_exit": self.short_exit,
             "t_grid": list(self.t_grid),
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "scale_down_slack": self.scale_down_slack,
         }
 
     def __repr__(self) -> str:

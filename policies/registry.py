@@ -112,6 +112,10 @@ class MPCParams(_Params):
     short_enter: float = Field(0.05, ge=0, le=1)
     short_exit: float = Field(0.02, ge=0, le=1)
     t_grid: list[float] = Field(default_factory=list)
+    min_replicas: int | None = Field(None, ge=1, description="None: the owner's (Serve's autoscaling_config), else 1")
+    max_replicas: int | None = Field(
+        None, ge=1, description="None: the owner's; with neither, the policy emits no replica count")
+    scale_down_slack: float = Field(0.15, ge=0)
 
 
 class GuardParams(_Params):
@@ -162,8 +166,12 @@ def _build_feedforward(p: FeedForwardParams, slo: SLOSpec, ctx: _Context) -> Pol
 
 def _build_mpc(p: MPCParams, slo: SLOSpec, ctx: _Context) -> Policy:
     model = OperatingModel.load(p.model) if p.model is not None else ctx.operating_model
-    params = p.model_dump(exclude={"model"})
-    return ModelPredictivePolicy(slo, model, **params)
+    params = p.model_dump(exclude={"model", "min_replicas", "max_replicas"})
+    # Replica bounds: the spec's, else the owner's (the autoscaler the decision is handed to).
+    owner_min, owner_max = ctx.replica_bounds if ctx.replica_bounds is not None else (None, None)
+    min_replicas = p.min_replicas if p.min_replicas is not None else (owner_min or 1)
+    max_replicas = p.max_replicas if p.max_replicas is not None else owner_max
+    return ModelPredictivePolicy(slo, model, min_replicas=min_replicas, max_replicas=max_replicas, **params)
 
 
 class _Context:
@@ -174,10 +182,12 @@ class _Context:
         speed_curve: SpeedCurve | None,
         latency_model: LinearLatencyModel | Callable[[float, float], float] | None,
         operating_model: OperatingModel | None = None,
+        replica_bounds: tuple[int, int] | None = None,
     ) -> None:
         self.speed_curve = speed_curve
         self.latency_model = latency_model
         self.operating_model = operating_model
+        self.replica_bounds = replica_bounds
 
 
 _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Policy]]] = {
@@ -231,12 +241,16 @@ def make_policy(
     speed_curve: SpeedCurve | None = None,
     latency_model: LinearLatencyModel | Callable[[float, float], float] | None = None,
     operating_model: OperatingModel | None = None,
+    replica_bounds: tuple[int, int] | None = None,
 ) -> Policy:
     """The policy ``spec`` names, with its parameters validated, wrapped in its guards.
 
     ``speed_curve`` / ``latency_model`` feed the feed-forward policy and ``operating_model`` the
     model-predictive one when the spec does not carry them (the simulator passes the ones derived from
-    its profile). Raises ValueError naming the bad field,
+    its profile). ``replica_bounds`` (min, max): the autoscaler a ``Decision.replicas`` is handed to
+    (Serve's ``autoscaling_config``, the simulator's autoscaler); the model-predictive policy asks for
+    replicas within them when its spec sets none (None and no ``max_replicas``: it asks for none).
+    Raises ValueError naming the bad field,
     or listing the known names for an unknown policy.
     """
     raw = _normalise_spec(spec)
@@ -264,7 +278,7 @@ def make_policy(
         except ValidationError as exc:
             raise ValueError(format_validation_error(exc, root="guards")) from None
     try:
-        policy = build(params, slo, _Context(speed_curve, latency_model, operating_model))
+        policy = build(params, slo, _Context(speed_curve, latency_model, operating_model, replica_bounds))
     except ValueError as exc:
         message = str(exc)
         if message.startswith(f"{name}."):

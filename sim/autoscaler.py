@@ -3,16 +3,23 @@
 Ray Serve (``serve/autoscaling_policy.py``): desired = ceil(total ongoing requests /
 ``target_ongoing_requests``), clamped to [``min_replicas``, ``max_replicas``]; a scale-up is applied
 only after the desire to scale up has held for ``upscale_delay_s``, a scale-down after
-``downscale_delay_s``; a new replica serves only after its start-up time. Here the decision is
-evaluated at every control tick; a policy's ``Decision.replicas`` can replace the metric-based desire
-when the simulator is told to honour it.
+``downscale_delay_s``; a new replica serves only after its start-up time (the scenario's
+``startup_s``, else the profile's measured ``replica_startup_s``, else 20 s) and costs replica-seconds
+from the moment it is asked for. Here the decision is evaluated at every control tick; a policy's
+``Decision.replicas`` replaces the metric-based desire when the simulator is told to honour it
+(``honour_policy_replicas``), as the live hook (``controller.autoscaling``) replaces Serve's: the same
+delays and bounds apply to it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from sim.profile import Profile
 
 
 class AutoscalerConfig(BaseModel):
@@ -23,13 +30,27 @@ class AutoscalerConfig(BaseModel):
     target_ongoing_requests: float = Field(4.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
-    startup_s: float = Field(20.0, ge=0, description="time from scale-up to a replica taking requests")
+    startup_s: float | None = Field(
+        None, ge=0, description="time from scale-up to a replica taking requests (None: the profile's, else 20 s)")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalerConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
         return self
+
+
+#: Start-up time of a new replica when neither the scenario nor the profile states one.
+DEFAULT_REPLICA_STARTUP_S = 20.0
+
+
+def replica_startup_s(config: AutoscalerConfig | None, profile: Profile) -> float:
+    """Scale-up → serving: the scenario's ``startup_s``, else the profile's, else the default."""
+    if config is not None and config.startup_s is not None:
+        return config.startup_s
+    if profile.replica_startup_s is not None:
+        return profile.replica_startup_s
+    return DEFAULT_REPLICA_STARTUP_S
 
 
 class Autoscaler:

@@ -57,14 +57,16 @@ def policy_spec(text: str) -> str | dict[str, Any]:
     return text
 
 
-def build_policy(text: str, slo: SLOSpec, profile: Profile, k: int | None = None) -> Policy:
-    """The policy ``text`` names (see :func:`policy_spec`), given the profile's speed curve and latency model."""
+def build_policy(text: str, slo: SLOSpec, profile: Profile, k: int | None = None,
+                 replica_bounds: tuple[int, int] | None = None) -> Policy:
+    """The policy ``text`` names (see :func:`policy_spec`), given the profile's speed curve and latency model
+    (and ``replica_bounds``, ``SimConfig.policy_replica_bounds()``, when its replica count is honoured)."""
     from policies.registry import make_policy
 
     return make_policy(
         policy_spec(text), slo,
         speed_curve=profile.to_speed_curve(k=k), latency_model=profile.to_latency_model(k=k),
-        operating_model=profile.to_operating_model(),
+        operating_model=profile.to_operating_model(), replica_bounds=replica_bounds,
     )
 
 

@@ -193,6 +193,9 @@ class Profile(BaseModel):
     default_k: int = Field(4, ge=1)
     acceptance: list[AcceptancePoint] = Field(..., min_length=1)
     latency: LatencyModel
+    replica_startup_s: float | None = Field(
+        None, ge=0, description="time from asking for a replica to it serving (process start + model load), "
+        "measured; the simulator's autoscaler uses it when the scenario states no startup_s")
     calibration: dict[str, Any] | None = Field(
         None,
         description="raw measurements the acceptance and latency fields were fitted to, written by "

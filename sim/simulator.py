@@ -23,7 +23,7 @@ from policies.decision import Decision
 from policies.slo import SLOSpec
 from policies.telemetry import Telemetry
 from policies.tiers import apply_decision
-from sim.autoscaler import Autoscaler, AutoscalerConfig
+from sim.autoscaler import Autoscaler, AutoscalerConfig, replica_startup_s
 from sim.entities import EventCounters, RequestTable, WindowBins
 from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
 from sim.metrics import fast_summary, latencies_ms, slo_met, summarize, tier_windows
@@ -54,6 +54,14 @@ class SimConfig(BaseModel):
     drain_timeout_s: float = Field(600.0, ge=0, description="after the last arrival; then unfinished = missed")
     horizon_iters: int = Field(48, ge=1, description="iterations drawn per segment at most (speed only)")
     replica_usd_per_hour: float | None = Field(None, gt=0)
+
+    def policy_replica_bounds(self) -> tuple[int, int] | None:
+        """(min, max) replicas a policy may ask for when its ``Decision.replicas`` drives the autoscaler
+        (``honour_policy_replicas`` with an autoscaler); None otherwise. Pass it to
+        ``make_policy(..., replica_bounds=...)``."""
+        if self.autoscaler is None or not self.honour_policy_replicas:
+            return None
+        return self.autoscaler.min_replicas, self.autoscaler.max_replicas
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "sim config") -> SimConfig:
@@ -118,6 +126,9 @@ class Simulator:
         )
         self._refresh_settings()
         self.autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
+        #: Scale-up → serving: the scenario's ``autoscaler.startup_s``, else the profile's measured
+        #: ``replica_startup_s``, else :data:`DEFAULT_REPLICA_STARTUP_S`.
+        self.replica_startup_s = replica_startup_s(config.autoscaler, profile)
         self._policy_replicas: int | None = None
         n = len(self.requests)
         self._route_u: list[list[float]] = self.rng.random((n, 2)).tolist()
@@ -323,8 +334,9 @@ class Simulator:
             elif k != self.draft_lengths[name]:
                 self.draft_lengths[name] = k
                 changed_tiers.add(self._tier_index[name])
-        if decision.replicas is not None:
-            self._policy_replicas = decision.replicas
+        # None: the policy does not steer replicas (or its fail-safe tripped); the load-based desire
+        # applies, as Serve's default policy does behind the live hook.
+        self._policy_replicas = decision.replicas
         if not changed_tiers:
             return []
         self._refresh_settings()
@@ -368,7 +380,7 @@ class Simulator:
         target = self.autoscaler.target(now, current, desired)
         out: list[Event] = []
         if target > current:
-            startup = self.autoscaler.config.startup_s
+            startup = self.replica_startup_s
             for _ in range(target - current):
                 r = self._new_replica(now, startup)
                 if r.state is ReplicaState.STARTING:
@@ -433,7 +445,8 @@ class Simulator:
             mean_distortion=distortion / tokens if tokens else 0.0,
             output_tokens=int(round(tokens)),
             output_tokens_per_s=tokens / window_s,
-            replicas=max(1, self._active_count()),
+            # Replicas serving now (not those still starting): what the capacity of this window was.
+            replicas=max(1, len(self._routable())),
             draft_length=k,
             mean_iteration_ms=float(sums[WindowBins.ITER_MS]) / iters if iters else math.nan,
             mean_batch_size=seq_iters / iters if iters else math.nan,
@@ -454,6 +467,8 @@ class Simulator:
             "queue_depth": tel.queue_depth,
             "in_flight": tel.in_flight,
             "replicas": tel.replicas,
+            "replicas_target": self._active_count(),  # serving + starting (the autoscaler's count)
+            "replicas_wanted": math.nan if self._policy_replicas is None else self._policy_replicas,
             "output_tokens_per_s": tel.output_tokens_per_s,
             "ttft_p95_ms": tel.ttft.p95_ms,
             "tpot_p50_ms": tel.tpot.p50_ms,
@@ -520,7 +535,8 @@ class Simulator:
         summary = summarize(self.table, self.slo, duration, replica_seconds, price)
         summary["duration_s"] = round(duration, 3)
         summary["simulated_until_s"] = round(end, 3)
-        summary["peak_replicas"] = int(max(self.timeseries.get("replicas", [self.config.replicas])))
+        summary["peak_replicas"] = int(max(self.timeseries.get("replicas_target", [self.config.replicas])))
+        summary["replica_startup_s"] = self.replica_startup_s
         t = self.table
         done = np.flatnonzero(t.completed)
         met = np.zeros(t.n, dtype=bool)

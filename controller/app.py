@@ -2,8 +2,8 @@
 
 ::
 
-    HTTP ──► FSDIngress ──► FSDReplica × N   (continuous batching, T per tier, fail-safe)
-                  │               ▲
+    HTTP ──► FSDIngress ──► FSDReplica × N   (continuous batching, T per tier, fail-safe; VLLMReplica
+                  │               ▲            with `model.engine: vllm`: controller/vllm_replica.py)
                   └──► FSDController ─┘       (every interval: stats → Telemetry → Policy → T push)
 
 Three ways to deploy the same application:
@@ -40,6 +40,7 @@ from controller.config import (
 )
 from controller.control_loop import FSDController
 from controller.replica import FSDReplica
+from controller.vllm_replica import VLLMReplica, prepare_vllm_config, replica_actor_options
 
 REPLICA_DEPLOYMENT = "FSDReplica"
 CONTROLLER_DEPLOYMENT = "FSDController"
@@ -52,7 +53,8 @@ def replica_options(cfg: FSDConfig) -> dict[str, Any]:
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": cfg.serve.max_ongoing_requests,
         "max_queued_requests": cfg.serve.max_queued_requests,
-        "ray_actor_options": {"num_cpus": cfg.serve.replica_num_cpus},
+        "ray_actor_options": (replica_actor_options(cfg) if cfg.model.engine == "vllm"
+                              else {"num_cpus": cfg.serve.replica_num_cpus}),
         "health_check_period_s": cfg.serve.health_check_period_s,
         "health_check_timeout_s": cfg.serve.health_check_timeout_s,
         # Waiting requests get a bounded drain on scale-down / redeploy instead of being cut.
@@ -75,8 +77,11 @@ def replica_options(cfg: FSDConfig) -> dict[str, Any]:
 def build_app(args: FSDConfig | Mapping[str, Any] | None = None) -> Application:
     """The bound Serve application for an fsd config (a parsed one, or its mapping as Serve's ``args``)."""
     cfg = args if isinstance(args, FSDConfig) else parse_config(dict(args or {}))
+    # engine: vllm — the replicas run in the vLLM environment's interpreter on HF directories resolved here.
+    cfg = prepare_vllm_config(cfg)
     config = cfg.model_dump(mode="json")
-    replica = serve.deployment(**replica_options(cfg))(FSDReplica)
+    replica_class = VLLMReplica if cfg.model.engine == "vllm" else FSDReplica
+    replica = serve.deployment(**replica_options(cfg))(replica_class)
     controller = serve.deployment(
         name=CONTROLLER_DEPLOYMENT,
         num_replicas=1,

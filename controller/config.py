@@ -5,7 +5,7 @@ offending field by its dotted path, e.g. ``control.interval_s: Input should be g
 
 Layout (all sections optional; ``FSDConfig()`` is the shipped default service)::
 
-    model:    pair, engine parameters (k, divergence, acceptance rule, batch size)
+    model:    pair, engine (native | vllm) and its parameters (k, divergence, acceptance rule, batch size)
     replica:  queue bound, request limits, fail-safe staleness
     slo:      a policies.slo.SLOSpec (tiers with latency targets, quality budgets, T bounds)
     control:  interval, active policy, optional shadow policy, history length
@@ -13,6 +13,7 @@ Layout (all sections optional; ``FSDConfig()`` is the shipped default service)::
     http:     host, port, admin token, body and timeout limits
     ray:      address of an existing cluster (None ⇒ start a local one)
     recording: traffic recording (off by default): path, size bound, shadow-estimate window
+    vllm:     options of `model.engine: vllm` replicas (interpreter, HF directories, KV cache)
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ CONFIG_ENV = "FSD_CONFIG"
 ADMIN_TOKEN_ENV = "FSD_ADMIN_TOKEN"
 
 
+#: The replica engines ``model.engine`` names.
+ENGINES = ("native", "vllm")
+#: Pairs whose HF directories the vLLM engine finds by itself (others need ``vllm.target_dir``).
+VLLM_PAIRS = ("smollm2-135m",)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,6 +60,50 @@ class ModelConfig(_Section):
     torch_threads: int | None = Field(
         1, ge=1, description="torch intra-op threads per replica (None = torch's default)"
     )
+    engine: Literal["native", "vllm"] = Field(
+        "native", description="replica engine: 'native' (decoder/, HF transformers) or 'vllm' (vLLM with the "
+        "fsd_vllm plugin, in its own environment: `make vllm-env`; see the `vllm` section and docs/vllm.md)"
+    )
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _known_engine(cls, v: Any) -> Any:
+        # pydantic's own Literal message does not say what was given; name the offending value.
+        if v not in ENGINES:
+            raise ValueError(f"unknown engine {v!r}; expected one of {list(ENGINES)}")
+        return v
+
+
+class VLLMConfig(_Section):
+    """Options of ``model.engine: vllm`` replicas (ignored by the native engine). The replica process runs
+    in the vLLM environment's interpreter; vLLM needs the pair as HF directories (docs/vllm.md)."""
+
+    python: str | None = Field(
+        None, description="interpreter of the vLLM environment (None = $FSD_VLLM_PYTHON, else "
+        "<source checkout>/.venv-vllm/bin/python, what `make vllm-env` builds)"
+    )
+    target_dir: str | None = Field(
+        None, description="HF directory of the target (None = the pair's: smollm2-135m's dequantized target)"
+    )
+    draft_dir: str | None = Field(
+        None, description="HF directory of the draft (None = the target's first `draft_layers` layers)"
+    )
+    draft_layers: int = Field(
+        24, ge=1, description="layers of the layer-truncated target used as draft when draft_dir is None"
+    )
+    max_model_len: int = Field(2048, ge=16, description="vLLM max_model_len: the replica's context")
+    kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of a CPU replica (whole GiB)")
+    memory_fraction: float = Field(
+        0.12, gt=0, le=1, description="vLLM gpu_memory_utilization (on GPU: share of device memory)"
+    )
+    enforce_eager: bool = Field(True, description="no CUDA graphs / compilation (start-up time on CPU)")
+
+    @field_validator("python", "target_dir", "draft_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # Absolute at load time (Serve replicas run in another working directory), symlinks kept: a venv's
+        # bin/python is a symlink, and resolving it would lose the venv.
+        return os.path.abspath(os.path.expanduser(v)) if v is not None else None
 
 
 class ReplicaConfig(_Section):
@@ -207,6 +258,16 @@ class FSDConfig(_Section):
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     recording: RecordingConfig = Field(default_factory=RecordingConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @model_validator(mode="after")
+    def _vllm_pair(self) -> FSDConfig:
+        if self.model.engine == "vllm" and self.vllm.target_dir is None and self.model.pair not in VLLM_PAIRS:
+            raise ValueError(
+                f"model.engine 'vllm' with pair {self.model.pair!r}: vLLM needs HF directories; the vLLM "
+                f"engine finds them for {list(VLLM_PAIRS)} only: set vllm.target_dir (and vllm.draft_dir)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tiers_known(self) -> FSDConfig:

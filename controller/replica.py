@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller import protocol
-from controller.batching import BatchingLoop, ReplicaCounters, TokenEvent
+from controller.batching import BatchingLoop, ReplicaCounters, StepEngine, TokenEvent
 from controller.config import FSDConfig, parse_config
 from fsd_common.validation import format_validation_error
 from policies.slo import SLOSpec
@@ -172,18 +172,8 @@ class FSDReplica:
             import torch
 
             torch.set_num_threads(self._cfg.model.torch_threads)
-        from decoder.engine import FSDEngine
-
         t0 = time.monotonic()
-        self._pair = load_model_pair(self._cfg)
-        self._engine = FSDEngine(
-            self._pair,
-            num_draft_tokens=self._cfg.model.num_draft_tokens,
-            div=self._cfg.model.div,
-            rule=self._cfg.model.rule,
-            max_batch_size=self._cfg.model.max_batch_size,
-            seed=self._cfg.model.seed,
-        )
+        self._pair, self._engine = self._load_engine()
         self._replica_id = self._own_replica_id()
         self._slo: SLOSpec = self._cfg.slo
         self._draft_length = self._cfg.model.num_draft_tokens  # the engine default k (configured)
@@ -218,6 +208,24 @@ class FSDReplica:
             self._replica_id, self._pair.name, self._pair.description, time.monotonic() - t0,
             self._draft_length, self._cfg.model.div, self._cfg.model.rule, self._cfg.model.max_batch_size,
         )
+
+    def _load_engine(self) -> tuple[Any, StepEngine]:
+        """The model pair and the engine the batching loop drives. The pair gives what the request path
+        needs: ``name``, ``description``, ``tokenizer`` (``decode``), ``encode_prompt(prompt, chat)``,
+        ``max_context``. Another engine (``controller.vllm_replica``) overrides this and
+        :meth:`_sampling_params`; everything else — control channel, fail-safe, reports — is shared."""
+        from decoder.engine import FSDEngine
+
+        pair = load_model_pair(self._cfg)
+        engine = FSDEngine(
+            pair,
+            num_draft_tokens=self._cfg.model.num_draft_tokens,
+            div=self._cfg.model.div,
+            rule=self._cfg.model.rule,
+            max_batch_size=self._cfg.model.max_batch_size,
+            seed=self._cfg.model.seed,
+        )
+        return pair, engine
 
     @staticmethod
     def _own_replica_id() -> str:
@@ -420,13 +428,19 @@ class FSDReplica:
         except ValueError as exc:
             raise protocol.RequestError(422, str(exc), "fsd.threshold") from None
 
-    def _sampling_params(self, req: protocol.GenerationRequest) -> Any:
-        from decoder.engine import SamplingParams
-
+    def _max_tokens(self, req: protocol.GenerationRequest) -> int:
         limit = self._cfg.replica.max_new_tokens_limit
         max_tokens = req.max_tokens if req.max_tokens is not None else self._cfg.replica.default_max_new_tokens
         if max_tokens > limit:
             raise protocol.RequestError(422, f"max_tokens {max_tokens} exceeds the limit {limit}", "max_tokens")
+        return max_tokens
+
+    def _sampling_params(self, req: protocol.GenerationRequest, tier: str) -> Any:
+        """The engine's per-request parameters (``max_new_tokens`` and ``stop`` are read back); 422 when
+        the engine refuses them. ``tier``: the request's resolved tier."""
+        from decoder.engine import SamplingParams
+
+        max_tokens = self._max_tokens(req)
         params = SamplingParams(
             temperature=req.temperature,
             top_k=req.top_k,
@@ -447,7 +461,7 @@ class FSDReplica:
         try:
             req = protocol.GenerationRequest.model_validate(request)
             tier, pinned_threshold = self._resolve_threshold(req.tier, req.threshold)
-            params = self._sampling_params(req)
+            params = self._sampling_params(req, tier)
             try:
                 prompt_ids = self._pair.encode_prompt(req.prompt, chat=req.chat)
             except ValueError as exc:

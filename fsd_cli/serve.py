@@ -1,4 +1,4 @@
-"""``fsd serve [config.yaml] [--port N] [--host H] [--address RAY_ADDRESS] [--pair NAME] [--detach]``.
+"""``fsd serve [config.yaml] [--port N] [--host H] [--address RAY_ADDRESS] [--pair NAME] [--engine E] [--detach]``.
 
 No config file ⇒ the default pair (smollm2-135m), ``SLOSpec.default()`` and the default SLO policy (PID
 wrapped in QualityGuard + FailSafe) on 127.0.0.1:8000. With ``--address`` (or ``$RAY_ADDRESS``) the app
@@ -8,7 +8,8 @@ jobs with SIGINT ignored) or SIGTERM, then tears everything it started down and 
 
 Checked before Ray starts, each failing with one line naming the problem and exit code 2: the config
 (missing, a directory, unreadable, not YAML, an invalid field), the HTTP port (already in use, local
-cluster only), the model pair (unknown name; for a local cluster also not fetched / not on disk).
+cluster only), the model pair (unknown name; for a local cluster also not fetched / not on disk), and
+with ``--engine vllm`` / ``model.engine: vllm`` the vLLM environment (``make vllm-env``, docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", help="bind address (overrides http.host; default 127.0.0.1)")
     p.add_argument("--address", help="existing Ray cluster address (else $RAY_ADDRESS, else start a local one)")
     p.add_argument("--pair", help="model pair (overrides model.pair; 'tiny' = random test pair)")
+    p.add_argument("--engine", choices=("native", "vllm"),
+                   help="replica engine (overrides model.engine; vllm needs `make vllm-env`, docs/vllm.md)")
     p.add_argument("--detach", action="store_true",
                    help="with --address: deploy and exit, leaving the app running on the cluster")
     p.set_defaults(func=handle)
@@ -60,6 +63,8 @@ def config_with_overrides(path: str | None, **overrides: Any) -> Any:
         data["http"]["host"] = overrides["host"]
     if overrides.get("pair") is not None:
         data["model"]["pair"] = overrides["pair"]
+    if overrides.get("engine") is not None:
+        data["model"]["engine"] = overrides["engine"]
     try:
         return parse_config(data)
     except ValueError as exc:
@@ -117,13 +122,19 @@ def _model_source_present(source: str) -> bool:
 def handle(args: argparse.Namespace) -> int:
     from controller.runtime import Service, resolve_address
 
-    cfg = config_with_overrides(args.config, port=args.port, host=args.host, pair=args.pair)
+    cfg = config_with_overrides(args.config, port=args.port, host=args.host, pair=args.pair,
+                                engine=args.engine)
     address = resolve_address(args.address, cfg)
     if args.detach and not address:
         raise ValueError("--detach needs an existing cluster (--address or RAY_ADDRESS)")
     if not address:  # on an existing cluster Serve's proxy may already (rightly) hold the port
         check_port_free(cfg.http.host, cfg.http.port)
-    check_pair_available(cfg.model.pair, local=not address)
+    if cfg.model.engine == "vllm":
+        from controller.vllm_replica import vllm_python
+
+        vllm_python(cfg)  # the vLLM environment exists (make vllm-env)
+    if cfg.model.engine == "native" or cfg.vllm.target_dir is None:  # else the pair name only names the model
+        check_pair_available(cfg.model.pair, local=not address)
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: Any) -> None:

@@ -142,6 +142,17 @@ class FSDCounters:
             }
         return copy
 
+    def request_counts(self, req_id: str) -> tuple[int, int, int, float]:
+        """(drafted, accepted, fuzzy_accepted, distortion) of one request so far (zeros if none yet)."""
+        with self._lock:
+            c = self.per_request.get(req_id)
+            return (0, 0, 0, 0.0) if c is None else (c.drafted, c.accepted, c.fuzzy_accepted, c.distortion)
+
+    def pop_request(self, req_id: str) -> TokenCounts | None:
+        """Forget one finished request (a long-running server would otherwise keep every request's counts)."""
+        with self._lock:
+            return self.per_request.pop(req_id, None)
+
     def reset(self) -> None:
         with self._lock:
             self.per_request.clear()

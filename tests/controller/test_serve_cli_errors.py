@@ -119,3 +119,12 @@ def test_missing_model_pairs(serve_in_process, tmp_path: Path, monkeypatch: pyte
                           "qwen2.5-coder-1.5b", "not fetched", "fsd models fetch")
     assert_one_line_error(*serve_in_process("--pair", "/no/such/target,/no/such/draft", "--port", port),
                           "/no/such/target", "local Hugging Face cache")
+
+
+def test_vllm_engine_without_its_environment(serve_in_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "vllm.yaml"
+    path.write_text(f"vllm:\n  python: {tmp_path / 'no-venv' / 'python'}\n", encoding="utf-8")
+    assert_one_line_error(*serve_in_process(str(path), "--engine", "vllm", "--port", str(free_port())),
+                          "no vLLM environment", "make vllm-env")
+    assert_one_line_error(*serve_in_process("--pair", "tiny", "--engine", "vllm", "--port", str(free_port())),
+                          "model.engine 'vllm'", "pair 'tiny'", "vllm.target_dir")

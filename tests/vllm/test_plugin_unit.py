@@ -79,6 +79,22 @@ def test_counters_accumulate_per_request_and_tier_and_skip_rows_without_drafts()
     assert counters.snapshot() == {"per_request": {}, "per_tier": {}}
 
 
+def test_one_requests_counts_are_read_and_dropped_by_id() -> None:
+    """What the vLLM replica's step adapter reads after each step and drops when a request ends."""
+    counters = FSDCounters()
+    assert counters.request_counts("a") == (0, 0, 0, 0.0)
+    stats = FlatVerifyStats(num_drafted=torch.tensor([3, 2]), num_accepted=torch.tensor([1, 2]),
+                            num_fuzzy_accepted=torch.tensor([1, 0]), distortion=torch.tensor([0.5, 0.0]))
+    counters.record(["a", "b"], ["gold", "bronze"], stats)
+    counters.record(["a", "b"], ["gold", "bronze"], stats)
+    assert counters.request_counts("a") == (6, 2, 2, pytest.approx(1.0))
+    dropped = counters.pop_request("a")
+    assert dropped is not None and dropped.drafted == 6
+    assert counters.request_counts("a") == (0, 0, 0, 0.0) and counters.pop_request("a") is None
+    assert counters.request_counts("b") == (4, 4, 0, 0.0)
+    assert counters.snapshot()["per_tier"]["gold"].drafted == 6  # tiers keep their totals
+
+
 def test_counters_of_a_standard_step_come_from_vllms_padded_output() -> None:
     output = torch.tensor([[5, 6, 7, -1], [9, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
     stats = _stats_from_output(output, [3, 3, 3])

@@ -37,6 +37,9 @@ class RequestTable:
         self.rejected = np.zeros(n, dtype=bool)
         self.emitted = np.zeros(n, dtype=np.int64)
         self.distortion_sum = np.zeros(n, dtype=np.float64)  # Σ per-token TV over emitted tokens
+        # Per-request acceptance odds multipliers (Profile.request_acceptance); None: every request at
+        # the profile's acceptance.
+        self.acceptance_odds: np.ndarray | None = None
 
     @property
     def completed(self) -> np.ndarray:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.entities import RequestTable, WindowBins
-from sim.profile import LatencyModel
+from sim.profile import LatencyModel, shifted_acceptance
 
 _B = WindowBins.BASE
 
@@ -58,6 +58,10 @@ class DecodeSettings:
     survival_by_tier: np.ndarray  # [n_tiers, k_pad] P(at least i+1 drafts accepted), 0 past the tier's k
     distortion_by_tier: np.ndarray  # [n_tiers] mean TV per emitted decode token
     survival_asc_by_tier: np.ndarray  # [n_tiers, k_pad] survival reversed (ascending, for searchsorted)
+    accept_by_tier: np.ndarray  # [n_tiers, k_pad] per-position conditional acceptance, 0 past the tier's k
+    # Per-request variation (Profile.request_acceptance): odds multiplier per tier that keeps the
+    # tier's step-pooled tokens per step at the profile's (RequestAcceptance.centring).
+    odds_centring_by_tier: np.ndarray  # [n_tiers]
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     coeffs_by_tier: list[tuple[float, float]]  # step ms = fixed + per_seq · B with every row at the tier's k
     # Distortion as events (None: every token carries its tier's mean): a token carries
@@ -179,17 +183,24 @@ class Replica:
         n_iter = h + off
         cum = np.empty((n_iter, b), dtype=np.int64)
         dec = cum[off:]
-        t0 = int(tiers[0])
-        one_tier = b == 1 or table.single_tier or int(tiers.min()) == int(tiers.max())
-        if one_tier:
+        tier_list = tiers.tolist()
+        t0 = tier_list[0]
+        one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
+        tier_set = frozenset(tier_list)
+        odds = table.acceptance_odds
+        if odds is not None:
+            # Per-request acceptance: each row's own survival S_r,i = Π_{j<=i} α_r,j with α_r the
+            # tier's acceptance shifted by the request's log-odds; tokens = 1 + #{i : u < S_r,i}.
+            row_odds = odds.take(ids) * settings.odds_centring_by_tier.take(tiers)
+            accept = shifted_acceptance(settings.accept_by_tier.take(tiers, axis=0), row_odds[:, None])
+            survival_rows = np.multiply.accumulate(accept, axis=1)  # [B, k_pad]
+            np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
+        elif one_tier:
             np.subtract(k_plus_1, survival_asc[t0].searchsorted(u, side="right"), out=dec)
-            tier_set = frozenset((t0,))
         else:
-            present = np.unique(tiers).tolist()
-            for t in present:
+            for t in sorted(tier_set):
                 cols = tiers == t
                 dec[:, cols] = k_plus_1 - survival_asc[t].searchsorted(u[:, cols], side="right")
-            tier_set = frozenset(present)
         if n_new:
             cum[0] = 0  # the prefill iteration emits nothing
         np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped

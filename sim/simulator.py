@@ -188,6 +188,7 @@ class Simulator:
 
     def _refresh_settings(self) -> None:
         s = self.settings
+        s.batch_cache.clear()  # derived from the tables rebuilt below
         ks = [self.draft_lengths[n] for n in self.tier_names]
         s.k_by_tier = np.array(ks, dtype=np.int64)
         s.k_pad = max(1, *ks)

@@ -303,6 +303,7 @@ class ModelPredictivePolicy:
         self.budget_margin, self.alpha, self.min_samples = budget_margin, alpha, min_samples
         self.t_grid = tuple(float(t) for t in t_grid)
         self.tier_names = list(slo.tiers)
+        self._curves = {k: self.model.curve(k) for k in self.model.draft_lengths}  # per tick in _observe
         self._candidates = {name: self._tier_candidates(slo.tiers[name]) for name in self.tier_names}
         # Evaluate only the within-budget product (see decide); False evaluates every joint candidate
         # (the reference the tests compare the pruning against).
@@ -469,10 +470,10 @@ class ModelPredictivePolicy:
             # after a change mixes both and would bias the correction toward the old point.
             t = window.threshold
             k = window.draft_length if window.draft_length is not None else self.current[name][1]
-            if k not in self.model.draft_lengths or not steady.get(name, False):
+            if k not in self._curves or not steady.get(name, False):
                 continue
             if k > 0 and window.sequence_iterations >= 20:
-                grid_t, grid_n, grid_d = self.model.curve(k)
+                grid_t, grid_n, grid_d = self._curves[k]
                 modelled_accepted = float(np.interp(t, grid_t, grid_n)) - 1.0
                 if modelled_accepted > 0.05:  # correct accepted drafts per step, measured / modelled
                     ratio = min(max((window.tokens_per_iteration - 1.0) / modelled_accepted, 0.3), 3.0)

@@ -40,6 +40,7 @@ from sim.entities import RequestTable, WindowBins
 from sim.profile import LatencyModel, shifted_acceptance
 
 _B = WindowBins.BASE
+_BATCH_CACHE_SIZE = 50_000  # entries of DecodeSettings.batch_cache (each a few hundred bytes)
 
 
 class ReplicaState(enum.Enum):
@@ -68,14 +69,20 @@ class DecodeSettings:
     # event_size_by_tier[τ] with probability event_p_by_tier[τ], so short windows see the real noise.
     event_p_by_tier: np.ndarray | None = None  # [n_tiers]
     event_size_by_tier: np.ndarray | None = None  # [n_tiers]
-    # Per batch composition (the tiers of its rows, in order): the rows' slices of the tables above.
-    # Derived data only (speed): whoever changes the tables above clears it.
-    batch_cache: dict[tuple[int, ...], _BatchTables] = field(default_factory=dict)
+    # What the tables above were built from ((T, k) per tier): with the batch composition it keys
+    # batch_cache, so an entry outlives a decision and serves again when the policy returns there.
+    state_key: tuple[tuple[float, int], ...] = ()
+    # Per (batch composition (the tiers of its rows, in order), state_key): the rows' slices of the
+    # tables above. Derived data only (speed).
+    batch_cache: dict[tuple[tuple[int, ...], tuple[tuple[float, int], ...]], _BatchTables] = field(
+        default_factory=dict)
 
     def batch_tables(self, tier_list: list[int], tiers: np.ndarray) -> _BatchTables:
-        key = tuple(tier_list)
+        key = (tuple(tier_list), self.state_key)
         found = self.batch_cache.get(key)
         if found is None:
+            if len(self.batch_cache) >= _BATCH_CACHE_SIZE:
+                self.batch_cache.clear()
             found = _BatchTables.build(self, tiers)
             self.batch_cache[key] = found
         return found

@@ -188,8 +188,8 @@ class Simulator:
 
     def _refresh_settings(self) -> None:
         s = self.settings
-        s.batch_cache.clear()  # derived from the tables rebuilt below
         ks = [self.draft_lengths[n] for n in self.tier_names]
+        s.state_key = tuple((self.thresholds[n], k) for n, k in zip(self.tier_names, ks, strict=True))
         s.k_by_tier = np.array(ks, dtype=np.int64)
         s.k_pad = max(1, *ks)
         s.coeffs_by_tier = [self.profile.latency.iteration_coeffs(k) for k in ks]

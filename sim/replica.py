@@ -173,6 +173,7 @@ class Replica:
         self.segment: _Segment | None = None
         self.version = 0  # bumps whenever the pending segment-end time changes
         self.iterations = 0  # decode iterations run (for the speed benchmark)
+        self.segments_drawn = 0  # segment draws, truncated or not (for the speed benchmark)
         self.horizon_iters = horizon_iters
 
     # ---------------------------------------------------------------- state
@@ -357,6 +358,7 @@ class Replica:
             distortion_rows,
         )
         self.version += 1
+        self.segments_drawn += 1
         return float(end_s[length - 1])
 
     def truncate(self, now: float, need_room: bool) -> float | None:

@@ -451,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=1000, help="hard bound on requests per scenario")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-acceptance", type=float, default=None, metavar="KAPPA",
+                   help="simulator leg: per-request acceptance variation, concentration κ of "
+                   "sim.profile.RequestAcceptance (default: the profile's own, usually none); with --resim "
+                   "the command line's value is used, not the stored one")
     p.add_argument("--resim", default=None, metavar="REPORT",
                    help="no service: re-run only the simulator leg on the real requests stored in an earlier "
                    "report (its settings apply; --profile, --out and --png may differ)")
@@ -484,6 +488,13 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
     if not profile_path.is_absolute() and not profile_path.exists() and (REPO / profile_path).exists():
         profile_path = REPO / profile_path  # a repo-relative path, as reports store it
     profile = Profile.load(profile_path)  # ValueError naming a missing or bad file
+    if args.request_acceptance is not None:  # the simulator leg only: per-request acceptance variation
+        from sim.profile import RequestAcceptance
+
+        if not (math.isfinite(args.request_acceptance) and args.request_acceptance > 0):
+            raise ValueError(f"--request-acceptance must be a finite κ > 0, got {args.request_acceptance}")
+        profile = profile.model_copy(update={"request_acceptance": RequestAcceptance(
+            concentration=args.request_acceptance, source="benchmarks/fidelity.py --request-acceptance")})
     if args.prompt_count is None and profile.calibration is not None:
         from decoder.calibration import CalibrationRecord
 
@@ -609,7 +620,8 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
                 for sc in stored["scenarios"]]
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc!r}") from None
-    keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim}
+    keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim,
+            "request_acceptance": args.request_acceptance}
     known = vars(build_parser().parse_args([]))
     for key, value in settings.items():
         if key in known and key not in keep:

@@ -37,6 +37,9 @@ class RequestTable:
         self.rejected = np.zeros(n, dtype=bool)
         self.emitted = np.zeros(n, dtype=np.int64)
         self.distortion_sum = np.zeros(n, dtype=np.float64)  # Σ per-token TV over emitted tokens
+        # Per-request acceptance odds multipliers (Profile.request_acceptance); None: every request at
+        # the profile's acceptance.
+        self.acceptance_odds: np.ndarray | None = None
 
     @property
     def completed(self) -> np.ndarray:
@@ -79,10 +82,22 @@ class WindowBins:
         return self._tick_s.searchsorted(t, side="left")
 
     def add(self, bins: np.ndarray, features: np.ndarray) -> None:
-        np.add.at(self.sums, bins, features)
+        """``sums[bins[j]] += features[j]`` in order j = 0, 1, … (``bins`` non-decreasing)."""
+        if bins.size and bins[0] == bins[-1]:
+            # One window (the common case): a reduction over [sums row; features] adds row after row
+            # in the same order as np.add.at, so the sums are bit-identical, ~4x cheaper.
+            w = int(bins[0])
+            self.sums[w] = np.concatenate((self.sums[w : w + 1], features)).sum(axis=0)
+        else:
+            np.add.at(self.sums, bins, features)
 
     def subtract(self, bins: np.ndarray, features: np.ndarray) -> None:
-        np.subtract.at(self.sums, bins, features)
+        """``sums[bins[j]] -= features[j]`` in order (``bins`` non-decreasing); see :meth:`add`."""
+        if bins.size and bins[0] == bins[-1]:
+            w = int(bins[0])
+            self.sums[w] = np.concatenate((self.sums[w : w + 1], -features)).sum(axis=0)
+        else:
+            np.subtract.at(self.sums, bins, features)
 
     def add_completion(self, bin_index: int, request_id: int) -> None:
         self.completed.setdefault(bin_index, []).append(request_id)

@@ -172,6 +172,85 @@ class LatencyModel(BaseModel):
         return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
 
 
+_QUADRATURE_NODES = 256  # mid-quantile nodes of the per-request Beta (centring expectation)
+
+
+class RequestAcceptance(BaseModel):
+    """Per-request variation in acceptance: some requests are easy to draft for, some hard.
+
+    Each request draws ``a ~ Beta(κ/2, κ/2)`` once (κ = ``concentration``) and runs every position at
+    every (T, k) with the profile's acceptance shifted by ``logit(a)`` on the log-odds scale, plus a
+    centring offset ``c`` per (T, k): ``α_r = expit(logit(α) + logit(a) + c)``. A request is easy (or
+    hard) at every position and T alike; α = 0 and α = 1 stay put and acceptance stays monotone in T.
+    Smaller κ = more spread (at α = 0.5 and c = 0 a request's acceptance is exactly Beta(κ/2, κ/2),
+    standard deviation ``1 / (2·sqrt(κ + 1))``).
+
+    **What is preserved**: the profile's tokens per step as calibration measures them, pooled over
+    steps (``Σ tokens / Σ steps`` over requests of equal length: the harmonic mean of the requests'
+    own means). ``c`` solves ``E_a[1 / n(a, c)] = 1 / n_profile``, so the simulator's measured
+    acceptance and every request's mean TPOT stay the profile's; the variation widens the spread of
+    TPOT across requests. (An uncentred shift would lower the mean: at α ≈ 0.9, κ = 4 by ~6 %.)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concentration: float = Field(..., gt=0, description="κ of the Beta(κ/2, κ/2) behind the log-odds shift")
+    source: str = Field("", description="where κ came from (a fit, a guess)")
+
+    @field_validator("concentration")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"must be finite, got {v}")
+        return v
+
+    @cached_property
+    def _quadrature_odds(self) -> np.ndarray:
+        """Odds ``a / (1 − a)`` at the mid-quantiles of Beta(κ/2, κ/2) (the expectation's nodes)."""
+        from scipy.special import betaincinv
+
+        half = self.concentration / 2.0
+        q = (np.arange(_QUADRATURE_NODES) + 0.5) / _QUADRATURE_NODES
+        a = np.clip(betaincinv(half, half, q), 1e-12, 1.0 - 1e-12)
+        return np.asarray(a / (1.0 - a), dtype=float)
+
+    def centring(self, position_accept: np.ndarray) -> float:
+        """Odds multiplier ``exp(c)`` that keeps the step-pooled tokens per step at ``position_accept``'s
+        (see the class docstring); 1.0 where nothing can move (k = 0, or every α at 0 or 1)."""
+        alpha = np.asarray(position_accept, dtype=float)
+        if alpha.size == 0 or np.all((alpha == 0.0) | (alpha == 1.0)) or alpha[0] == 0.0:
+            return 1.0
+        target = 1.0 / (1.0 + float(np.cumprod(alpha).sum()))
+        nodes = self._quadrature_odds[:, None]
+
+        def inverse_tokens(log_c: float) -> float:  # E_a[1 / n(a, c)], decreasing in c
+            accept = shifted_acceptance(alpha[None, :], nodes * math.exp(log_c))
+            return float(np.mean(1.0 / (1.0 + np.cumprod(accept, axis=1).sum(axis=1))))
+
+        low, high = -30.0, 30.0
+        for _ in range(60):  # bisection to ~5e-17 in log-odds
+            mid = 0.5 * (low + high)
+            if inverse_tokens(mid) > target:
+                low = mid
+            else:
+                high = mid
+        return math.exp(0.5 * (low + high))
+
+    def draw_odds_scales(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """[n] per-request odds multipliers ``a / (1 − a)`` (= exp of the log-odds shift)."""
+        half = self.concentration / 2.0
+        a = rng.beta(half, half, size=n)
+        # A Beta draw can round to exactly 0 or 1 at small κ: keep the odds finite and positive.
+        a = np.clip(a, 1e-12, 1.0 - 1e-12)
+        return np.asarray(a / (1.0 - a), dtype=float)
+
+
+def shifted_acceptance(position_accept: np.ndarray, odds_scale: np.ndarray | float) -> np.ndarray:
+    """``expit(logit(α) + log(odds_scale))`` elementwise, exact at α ∈ {0, 1} (broadcasts)."""
+    scaled = position_accept * odds_scale
+    return np.asarray(scaled / (scaled + (1.0 - position_accept)), dtype=float)
+
+
 @dataclass(frozen=True, slots=True)
 class _Grid:
     """One (div, k) slice of the acceptance table, sorted by T."""
@@ -196,6 +275,10 @@ class Profile(BaseModel):
     replica_startup_s: float | None = Field(
         None, ge=0, description="time from asking for a replica to it serving (process start + model load), "
         "measured; the simulator's autoscaler uses it when the scenario states no startup_s")
+    request_acceptance: RequestAcceptance | None = Field(
+        None,
+        description="per-request variation in acceptance (None: every request at the profile's acceptance)",
+    )
     calibration: dict[str, Any] | None = Field(
         None,
         description="raw measurements the acceptance and latency fields were fitted to, written by "
@@ -319,6 +402,23 @@ class Profile(BaseModel):
         return np.array(
             [np.interp(threshold, grid.thresholds, grid.position_accept[:, i]) for i in range(k)]
         )
+
+    def request_odds_centring(self, div: str, threshold: float, k: int) -> float:
+        """:meth:`RequestAcceptance.centring` at (div, T, k), cached (1.0 without per-request variation)."""
+        variation = self.request_acceptance
+        if variation is None or k == 0:
+            return 1.0
+        # Keyed by κ as well: a model_copy with another variation may share this cache.
+        key = (div, float(threshold), k, variation.concentration)
+        cached = self._centring_cache.get(key)
+        if cached is None:
+            cached = variation.centring(self.position_accept(div, threshold, k))
+            self._centring_cache[key] = cached
+        return cached
+
+    @cached_property
+    def _centring_cache(self) -> dict[tuple[str, float, int, float], float]:
+        return {}
 
     def survival(self, div: str, threshold: float, k: int) -> np.ndarray:
         """``S[i]`` = P(at least i+1 drafts accepted) = prod_{j<=i} position_accept[j]; length k."""

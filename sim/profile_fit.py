@@ -15,10 +15,15 @@ stays torch-free. What is fitted and why:
   prefill ``= prefill_fixed + prefill_per_token · prompt tokens``; fit quality kept as ``FitQuality``.
   Decode points at k = 0 (plain target decoding, no draft forward) are fitted on their own,
   step ``= plain_step_a + plain_step_b · B``; without them the profile derives k = 0 from the verify fit.
+- *Per-request acceptance variation* (:func:`fit_request_acceptance`, not part of :func:`fit_profile`:
+  a calibration pools its counts over prompts and records none per request): the concentration κ of
+  :class:`~sim.profile.RequestAcceptance` from accepted / drafted counts per request, by matching the
+  spread of the requests' empirical log-odds (less their sampling noise) to the model's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,7 +32,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from sim.profile import AcceptancePoint, LatencyModel, Profile, Provenance
+from sim.profile import AcceptancePoint, LatencyModel, Profile, Provenance, RequestAcceptance
 
 # ---------------------------------------------------------------------------------------------------
 # What a measurement provides (decoder.calibration's types satisfy these; no import of the decoder)
@@ -331,3 +336,49 @@ def headline(profile: Profile) -> dict[str, Any]:
         "prefill_ms_per_token": round(lat.prefill_ms_per_token, 3),
         "prefill_fixed_ms": round(lat.prefill_fixed_ms, 2),
     }
+
+
+def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str = "") -> RequestAcceptance | None:
+    """κ of :class:`~sim.profile.RequestAcceptance` from per-request counts (drafted tokens and how many
+    were accepted), at one operating point; None when the requests vary no more than sampling noise.
+
+    The model shifts every request's log-odds by ``logit(a)``, ``a ~ Beta(κ/2, κ/2)``, whose variance is
+    ``2·ψ₁(κ/2)`` (trigamma). Each request's empirical log-odds (Haldane's +½ correction) has that
+    variance plus its binomial sampling variance ``1/(D·p·(1 − p))`` (delta method, at the pooled rate
+    through the request's shift); method of moments: ``2·ψ₁(κ/2) = var(logit p̂) − mean sampling
+    variance``, solved for κ (ψ₁ is decreasing). Per-position acceptance is summarised by the
+    per-request rate accepted / drafted, so the fit is approximate; it needs tens of requests with
+    tens of drafts each.
+    """
+    from scipy.special import polygamma
+
+    acc = np.asarray(accepted, dtype=float)
+    drf = np.asarray(drafted, dtype=float)
+    if acc.shape != drf.shape or acc.ndim != 1:
+        raise ValueError(f"accepted and drafted must be 1-D of one length, got {acc.shape} and {drf.shape}")
+    if acc.size < 3:
+        raise ValueError(f"need at least 3 requests to fit a spread, got {acc.size}")
+    if np.any(drf <= 0) or np.any(acc < 0) or np.any(acc > drf):
+        raise ValueError("every request needs drafted > 0 and 0 <= accepted <= drafted")
+    log_odds = np.log((acc + 0.5) / (drf - acc + 0.5))
+    rates = (acc + 0.5) / (drf + 1.0)
+    sampling = float(np.mean(1.0 / (drf * rates * (1.0 - rates))))
+    excess = float(np.var(log_odds, ddof=1)) - sampling
+    if excess <= 0.0:
+        return None
+
+    def spread(kappa: float) -> float:
+        return float(2.0 * polygamma(1, kappa / 2.0))
+
+    low, high = 1e-6, 1e9
+    if excess >= spread(low):
+        kappa = low
+    else:
+        for _ in range(200):  # bisection in log κ
+            mid = math.sqrt(low * high)
+            if spread(mid) > excess:
+                low = mid
+            else:
+                high = mid
+        kappa = math.sqrt(low * high)
+    return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {acc.size} requests")

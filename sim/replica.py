@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from sim.entities import RequestTable, WindowBins
-from sim.profile import LatencyModel
+from sim.profile import LatencyModel, shifted_acceptance
 
 _B = WindowBins.BASE
+_BATCH_CACHE_SIZE = 50_000  # entries of DecodeSettings.batch_cache (each a few hundred bytes)
 
 
 class ReplicaState(enum.Enum):
@@ -58,12 +59,69 @@ class DecodeSettings:
     survival_by_tier: np.ndarray  # [n_tiers, k_pad] P(at least i+1 drafts accepted), 0 past the tier's k
     distortion_by_tier: np.ndarray  # [n_tiers] mean TV per emitted decode token
     survival_asc_by_tier: np.ndarray  # [n_tiers, k_pad] survival reversed (ascending, for searchsorted)
+    accept_by_tier: np.ndarray  # [n_tiers, k_pad] per-position conditional acceptance, 0 past the tier's k
+    # Per-request variation (Profile.request_acceptance): odds multiplier per tier that keeps the
+    # tier's step-pooled tokens per step at the profile's (RequestAcceptance.centring).
+    odds_centring_by_tier: np.ndarray  # [n_tiers]
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     coeffs_by_tier: list[tuple[float, float]]  # step ms = fixed + per_seq · B with every row at the tier's k
     # Distortion as events (None: every token carries its tier's mean): a token carries
     # event_size_by_tier[τ] with probability event_p_by_tier[τ], so short windows see the real noise.
     event_p_by_tier: np.ndarray | None = None  # [n_tiers]
     event_size_by_tier: np.ndarray | None = None  # [n_tiers]
+    # What the tables above were built from ((T, k) per tier): with the batch composition it keys
+    # batch_cache, so an entry outlives a decision and serves again when the policy returns there.
+    state_key: tuple[tuple[float, int], ...] = ()
+    # Per (batch composition (the tiers of its rows, in order), state_key): the rows' slices of the
+    # tables above. Derived data only (speed).
+    batch_cache: dict[tuple[tuple[int, ...], tuple[tuple[float, int], ...]], _BatchTables] = field(
+        default_factory=dict)
+
+    def batch_tables(self, tier_list: list[int], tiers: np.ndarray) -> _BatchTables:
+        key = (tuple(tier_list), self.state_key)
+        found = self.batch_cache.get(key)
+        if found is None:
+            if len(self.batch_cache) >= _BATCH_CACHE_SIZE:
+                self.batch_cache.clear()
+            found = _BatchTables.build(self, tiers)
+            self.batch_cache[key] = found
+        return found
+
+
+@dataclass(slots=True)
+class _BatchTables:
+    """The per-tier tables of :class:`DecodeSettings` taken at a batch's rows ([B] or [B, ·])."""
+
+    weights: np.ndarray  # [B, F] rows of tier_weights
+    onehot: np.ndarray  # [B, n_tiers]
+    row_k: np.ndarray  # [B] int
+    row_k_float: np.ndarray  # [B]
+    uniform_k: bool  # every row at one k
+    survival: np.ndarray  # [B, k_pad]
+    accept: np.ndarray  # [B, k_pad]
+    odds_centring: np.ndarray  # [B]
+    distortion_per_token: np.ndarray  # [B]
+    event_p: np.ndarray | None  # [B]
+    event_size: np.ndarray | None  # [B]
+    mixed: tuple[float, np.ndarray] | None = None  # LatencyModel.mixed_coeffs(row_k), filled on first use
+
+    @classmethod
+    def build(cls, s: DecodeSettings, tiers: np.ndarray) -> _BatchTables:
+        n_t = s.tier_weights.shape[0]
+        row_k = s.k_by_tier.take(tiers)
+        return cls(
+            weights=s.tier_weights.take(tiers, axis=0),
+            onehot=s.tier_weights[:, _B : _B + n_t].take(tiers, axis=0),
+            row_k=row_k,
+            row_k_float=row_k.astype(float),
+            uniform_k=int(row_k.min()) == int(row_k.max()),
+            survival=s.survival_by_tier.take(tiers, axis=0),
+            accept=s.accept_by_tier.take(tiers, axis=0),
+            odds_centring=s.odds_centring_by_tier.take(tiers),
+            distortion_per_token=s.distortion_by_tier.take(tiers),
+            event_p=None if s.event_p_by_tier is None else s.event_p_by_tier.take(tiers),
+            event_size=None if s.event_size_by_tier is None else s.event_size_by_tier.take(tiers),
+        )
 
 
 @dataclass(slots=True)
@@ -115,6 +173,7 @@ class Replica:
         self.segment: _Segment | None = None
         self.version = 0  # bumps whenever the pending segment-end time changes
         self.iterations = 0  # decode iterations run (for the speed benchmark)
+        self.segments_drawn = 0  # segment draws, truncated or not (for the speed benchmark)
         self.horizon_iters = horizon_iters
 
     # ---------------------------------------------------------------- state
@@ -179,17 +238,24 @@ class Replica:
         n_iter = h + off
         cum = np.empty((n_iter, b), dtype=np.int64)
         dec = cum[off:]
-        t0 = int(tiers[0])
-        one_tier = b == 1 or table.single_tier or int(tiers.min()) == int(tiers.max())
-        if one_tier:
+        tier_list = tiers.tolist()
+        t0 = tier_list[0]
+        one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
+        tier_set = frozenset(tier_list)
+        rows = settings.batch_tables(tier_list, tiers)
+        odds = table.acceptance_odds
+        if odds is None and one_tier:
             np.subtract(k_plus_1, survival_asc[t0].searchsorted(u, side="right"), out=dec)
-            tier_set = frozenset((t0,))
         else:
-            present = np.unique(tiers).tolist()
-            for t in present:
-                cols = tiers == t
-                dec[:, cols] = k_plus_1 - survival_asc[t].searchsorted(u[:, cols], side="right")
-            tier_set = frozenset(present)
+            # Each row's own survival S_r (its tier's; with per-request acceptance, the tier's
+            # acceptance shifted by the request's log-odds): tokens = 1 + #{i : u < S_r,i}, the same
+            # count as the search above.
+            if odds is None:
+                survival_rows = rows.survival
+            else:
+                row_odds = odds.take(ids) * rows.odds_centring
+                survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
+            np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
         if n_new:
             cum[0] = 0  # the prefill iteration emits nothing
         np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
@@ -203,24 +269,24 @@ class Replica:
         active_before[0] = b
         active_before[1:] = active_after[:-1]
         n_t = self.bins.n_tiers
-        k_by_tier = settings.k_by_tier
         alive_before: np.ndarray | None = None  # [L, B] rows in iteration j (only for mixed batches)
         if not one_tier:
             alive_before = np.empty((n_iter, b))
             alive_before[0] = 1.0
             alive_before[1:] = alive[:-1]
-        row_k = k_by_tier.take(tiers)
-        if one_tier or int(row_k.min()) == int(row_k.max()):
+        if one_tier or rows.uniform_k:
             fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
             dt_ms = active_before * per_seq_ms
             dt_ms += fixed_ms
-            drafted = active_before * int(row_k[0])
+            drafted = active_before * int(rows.row_k[0])
         else:
             assert alive_before is not None
-            fixed_ms, per_row_ms = self.latency.mixed_coeffs(row_k)
+            if rows.mixed is None:
+                rows.mixed = self.latency.mixed_coeffs(rows.row_k)
+            fixed_ms, per_row_ms = rows.mixed
             dt_ms = alive_before @ per_row_ms
             dt_ms += fixed_ms
-            drafted = alive_before @ row_k.astype(float)
+            drafted = alive_before @ rows.row_k_float
         if n_new:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
@@ -239,7 +305,7 @@ class Replica:
         tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
         tokens[0] = emitted[0]
         np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
-        features = tokens @ settings.tier_weights.take(tiers, axis=0)  # [L, F]
+        features = tokens @ rows.weights  # [L, F]
         features[:, WindowBins.SEQ_ITERS] = active_before
         features[:, WindowBins.DRAFTED] = drafted
         features[:, WindowBins.ITERS] = 1.0
@@ -247,16 +313,13 @@ class Replica:
         if alive_before is None:
             features[:, _B + 2 * n_t + t0] = active_before
         else:
-            onehot = settings.tier_weights[:, _B : _B + n_t].take(tiers, axis=0)  # [B, n_tiers]
-            features[:, _B + 2 * n_t :] = alive_before @ onehot
+            features[:, _B + 2 * n_t :] = alive_before @ rows.onehot
         distortion_rows = None
-        if settings.event_p_by_tier is not None and settings.event_size_by_tier is not None:
-            events = self.rng.binomial(tokens.astype(np.int64), settings.event_p_by_tier.take(tiers))
-            distortion_rows = events * settings.event_size_by_tier.take(tiers)
+        if rows.event_p is not None and rows.event_size is not None:
+            events = self.rng.binomial(tokens.astype(np.int64), rows.event_p)
+            distortion_rows = events * rows.event_size
             features[:, WindowBins.DISTORTION] = distortion_rows.sum(axis=1)
-            features[:, _B + n_t : _B + 2 * n_t] = (
-                distortion_rows @ settings.tier_weights[:, _B : _B + n_t].take(tiers, axis=0)
-            )
+            features[:, _B + n_t : _B + 2 * n_t] = distortion_rows @ rows.onehot
         # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
         # iteration is clipped at its output length, which undercounts that iteration's accepts.
         np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
@@ -285,7 +348,7 @@ class Replica:
             emitted,
             finish_iter,
             active_after,
-            settings.distortion_by_tier.take(tiers),
+            rows.distortion_per_token,
             features,
             bins,
             completions,
@@ -295,6 +358,7 @@ class Replica:
             distortion_rows,
         )
         self.version += 1
+        self.segments_drawn += 1
         return float(end_s[length - 1])
 
     def truncate(self, now: float, need_room: bool) -> float | None:

@@ -32,6 +32,8 @@ from sim.replica import DecodeSettings, Replica, ReplicaState
 from sim.workload import Requests, Workload
 
 Routing = Literal["power_of_two", "least_loaded", "round_robin"]
+# Spawn key of the per-request acceptance draws' RNG stream (any constant; see Simulator.__init__).
+_REQUEST_ACCEPTANCE_STREAM = 0xACCE
 
 
 class SimConfig(BaseModel):
@@ -109,6 +111,11 @@ class Simulator:
             self.workload_name = "requests"
             self.requests = workload
         self.table = RequestTable(self.requests)
+        if profile.request_acceptance is not None:
+            # A stream of its own: switching the variation on leaves arrivals, routing and the
+            # iteration draws' streams as they were (common random numbers across settings).
+            variation_rng = np.random.default_rng([config.seed, _REQUEST_ACCEPTANCE_STREAM])
+            self.table.acceptance_odds = profile.request_acceptance.draw_odds_scales(variation_rng, self.table.n)
         self.counters = EventCounters()
         # Every tier starts at its fail-safe T until the first decision lands (at t = 0).
         self.thresholds = {name: tier.clamp(tier.safe_threshold) for name, tier in slo.tiers.items()}
@@ -121,6 +128,8 @@ class Simulator:
             survival_by_tier=np.zeros((n_t, 1)),
             distortion_by_tier=np.zeros(n_t),
             survival_asc_by_tier=np.zeros((n_t, 1)),
+            accept_by_tier=np.zeros((n_t, 1)),
+            odds_centring_by_tier=np.ones(n_t),
             tier_weights=np.zeros((n_t, WindowBins.BASE + 3 * n_t)),
             coeffs_by_tier=[],
         )
@@ -191,13 +200,19 @@ class Simulator:
     def _refresh_settings(self) -> None:
         s = self.settings
         ks = [self.draft_lengths[n] for n in self.tier_names]
+        s.state_key = tuple((self.thresholds[n], k) for n, k in zip(self.tier_names, ks, strict=True))
         s.k_by_tier = np.array(ks, dtype=np.int64)
         s.k_pad = max(1, *ks)
         s.coeffs_by_tier = [self.profile.latency.iteration_coeffs(k) for k in ks]
-        survival = np.zeros((len(ks), s.k_pad))
+        accept = np.zeros((len(ks), s.k_pad))
         for i, (n, k) in enumerate(zip(self.tier_names, ks, strict=True)):
-            survival[i, :k] = self.profile.survival(self.div, self.thresholds[n], k)
-        s.survival_by_tier = survival
+            accept[i, :k] = self.profile.position_accept(self.div, self.thresholds[n], k)
+        s.accept_by_tier = accept
+        s.odds_centring_by_tier = np.array([
+            self.profile.request_odds_centring(self.div, self.thresholds[n], k)
+            for n, k in zip(self.tier_names, ks, strict=True)
+        ])
+        s.survival_by_tier = np.cumprod(accept, axis=1)
         s.distortion_by_tier = np.array(
             [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n, k in zip(self.tier_names, ks, strict=True)]
         )

@@ -101,16 +101,41 @@ def test_mixed_batch_steps_at_the_mixed_model_time_and_each_tier_keeps_its_k() -
         assert t.tiers["lossless"].mean_distortion == 0.0
 
 
-def test_window_token_accounting_is_conserved() -> None:
+class Flipper:
+    """Every tick a new (T, k) for the standard and economy tiers (cycling): every decision truncates
+    the drawn segments holding them, so window sums are taken back and redrawn all the time."""
+
+    def __init__(self) -> None:
+        self.windows: list[Telemetry] = []
+
+    def decide(self, telemetry: Telemetry) -> Decision:
+        self.windows.append(telemetry)
+        i = len(self.windows)
+        return Decision(thresholds={"standard": (0.0, 0.5, 1.0)[i % 3], "economy": (4.0, 1.0)[i % 2]},
+                        draft_lengths={"standard": (4, 2, 6, 0)[i % 4], "economy": (6, 4)[i % 2]})
+
+    def reset(self) -> None:
+        self.windows = []
+
+
+@pytest.mark.parametrize("variation", [None, 3.0], ids=["profile acceptance", "per-request acceptance"])
+@pytest.mark.parametrize("flipping", [False, True], ids=["static", "T and k change every tick"])
+def test_window_token_accounting_is_conserved(variation: float | None, flipping: bool) -> None:
     """Σ over windows of the tokens the telemetry reports = tokens the requests received, per tier and
-    overall; in every window tokens = sequence-steps + accepted drafts, and tier sums add up."""
+    overall; in every window tokens = sequence-steps + accepted drafts, and tier sums add up — also
+    when every tick's decision truncates segments, and with per-request acceptance."""
+    from sim.profile import RequestAcceptance
+
     slo = SLOSpec.default()
     w = make_workload(duration_s=200.0, arrivals={"kind": "poisson", "rate": 3.0},
                       output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.5, "max": 300},
                       tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
-    policy = Recorder(StaticPolicy(slo, {"standard": 0.5, "economy": 2.0},
-                                   draft_lengths={"lossless": 0, "standard": 4, "economy": 6}))
-    res = run_sim(w, policy, slo=slo, replicas=2, seed=4, drain_timeout_s=1000.0)
+    policy: Recorder | Flipper = Flipper() if flipping else Recorder(StaticPolicy(
+        slo, {"standard": 0.5, "economy": 2.0}, draft_lengths={"lossless": 0, "standard": 4, "economy": 6}))
+    profile = handmade_profile()
+    if variation is not None:
+        profile = profile.model_copy(update={"request_acceptance": RequestAcceptance(concentration=variation)})
+    res = run_sim(w, policy, slo=slo, profile=profile, replicas=2, seed=4, drain_timeout_s=1000.0)
     emitted = res.records["output_tokens"][~np.isnan(res.records["completion_s"])].sum()
     assert res.summary["completed"] == res.summary["requests"] - res.summary["rejected"]
     windows = policy.windows[1:]  # the first is the empty pre-traffic window

@@ -110,7 +110,10 @@ def test_ignore_eos_decodes_exactly_max_tokens(client: httpx.Client) -> None:
 
 def test_chat_stream_matches_non_stream_on_lossless_tier(client: httpx.Client) -> None:
     # The lossless tier pins T = 0 and a seeded request draws only from its own generator, so the
-    # streamed and the non-streamed answer must be the same text.
+    # streamed and the non-streamed answer must be the same text — at the same k: pin it (the SLO policy
+    # may move k between the two calls, and a seeded draw sequence depends on k).
+    _set_policy(client, {"policy": "static", "thresholds": 0.0, "draft_lengths": 4, "guards": False})
+    _wait(lambda: all(r["draft_lengths"]["lossless"] == 4 for r in _status(client)["replicas"]), 30, "k = 4 held")
     body = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 24,
             "temperature": 0.8, "seed": 7, "fsd": {"tier": "lossless"}}
     plain = client.post("/v1/chat/completions", json=body)

@@ -20,7 +20,8 @@ from controller.config import FSDConfig
 
 logger = logging.getLogger(__name__)
 
-#: Serve's deadlines for its HTTP proxy, raised so a busy machine (CI, a shared box) does not fail start-up.
+#: Serve's deadlines for its HTTP proxy, raised so a busy machine (CI, a shared box) does not fail start-up,
+#: and the workers' niceness (below).
 #: Ray Serve 2.60 (``serve/_private/proxy_state.py``) marks a proxy UNHEALTHY after three ready checks in a
 #: row that each took longer than ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`` (default 5 s) and kills it with
 #: ``ray.kill``; ``serve.start``, waiting on that proxy, then fails with ``ActorDiedError`` on the
@@ -34,6 +35,12 @@ SLOW_MACHINE_SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "20",
     # Deployments without their own health_check_timeout_s (the FSD controller deployment).
     "RAY_SERVE_DEPLOYMENT_ACTOR_HEALTH_CHECK_TIMEOUT_S": "120",
+    # Ray starts every worker process (Serve's controller and proxy, our replicas) at nice 15 so that the
+    # raylet and GCS win the CPU. On a machine shared with anything at nice 0 that starves the whole
+    # serving path: beside two busy loops on 2 cores the replicas got ~4 % CPU each and the control-plane
+    # test took > 7 min (84 s at nice 0). Here the workers *are* the workload; Ray's own job manager sets
+    # the same for job drivers (dashboard/modules/job/job_manager.py).
+    "RAY_worker_niceness": "0",
 }
 
 

@@ -123,6 +123,18 @@ def _settled_count(url: str) -> int:
     return int(_wait(stable, 60, "the completion count to settle")) - 1
 
 
+def test_ray_workers_are_not_niced(ray_serve: RayServe) -> None:
+    """Ray starts workers at nice 15; beside any nice-0 process (a busy CI machine) replicas, proxy and the
+    FSD controller then get a few per cent of a core. ``controller.runtime`` starts them at nice 0."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=300) == 0
+
+
 def test_full_data_plane_keeps_every_replica_in_view(service: str) -> None:
     load = Load(service, 8, LONG_STREAM)
     polls, full, steered_while_full = 0, False, False

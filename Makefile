@@ -31,6 +31,8 @@ demo: venv
 test: venv
 	$(BIN)/ruff check decoder policies sim controller fsd_cli fsd_common fsd_vllm tests benchmarks
 	$(BIN)/mypy policies sim fsd_cli fsd_common decoder controller fsd_vllm
+	# benchmarks/ is a namespace of scripts, not a package: resolve `benchmarks.sse_client` from the root.
+	$(BIN)/mypy --explicit-package-bases benchmarks
 	$(BIN)/python -m pytest -q -ra
 
 bench: venv

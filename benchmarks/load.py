@@ -127,7 +127,8 @@ def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if name == "ceiling":
         return {"policy": "static", "thresholds": {args.tier: args.ceiling}, "guards": False}
     if name == "slo":
-        return json.loads(args.slo_policy)
+        policy: dict[str, Any] = json.loads(args.slo_policy)
+        return policy
     raise ValueError(f"unknown configuration {name!r}; expected static0, plain, static0k4, ceiling, slo or live")
 
 

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-layers", type=int, default=10)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens; 0 = target alone")
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, nargs="+", default=[1.0], help="0 = greedy; several share one engine")
     parser.add_argument("--threshold", type=float, nargs="+", default=[0.0])
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
@@ -157,23 +157,25 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     llm = build_llm(target, draft, args.k, max(args.batch))
     engine_start = time.perf_counter() - started
-    generate(llm, list(DEFAULT_PROMPTS[:1]), args.temperature, 0.0, 8, "warmup")  # first-call costs
+    generate(llm, list(DEFAULT_PROMPTS[:1]), args.temperature[0], 0.0, 8, "warmup")  # first-call costs
     runs = []
     for batch in args.batch:
         prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)]
-        for threshold in args.threshold:
-            COUNTERS.reset()
-            tier = f"T={threshold}"
-            texts, tokens, seconds = generate(llm, prompts, args.temperature, threshold, args.max_tokens, tier)
-            mode = "target" if args.k == 0 else ("fsd" if threshold > 0 else "sd")
-            runs.append(
-                OfflineRun(
-                    mode=mode, batch=batch, temperature=args.temperature, threshold=threshold,
-                    num_speculative_tokens=args.k, generated_tokens=tokens, seconds=round(seconds, 3),
-                    tokens_per_s=round(tokens / seconds, 2), engine_start_s=round(engine_start, 1),
-                    counters=read_counters()["per_tier"].get(tier, {}), texts=texts[:2],
+        for temperature in args.temperature:
+            # k = 0 has no draft: one run per temperature, whatever thresholds were asked for.
+            for threshold in args.threshold if args.k > 0 else [0.0]:
+                COUNTERS.reset()
+                tier = f"T={threshold}"
+                texts, tokens, seconds = generate(llm, prompts, temperature, threshold, args.max_tokens, tier)
+                mode = "target" if args.k == 0 else ("fsd" if threshold > 0 else "sd")
+                runs.append(
+                    OfflineRun(
+                        mode=mode, batch=batch, temperature=temperature, threshold=threshold,
+                        num_speculative_tokens=args.k, generated_tokens=tokens, seconds=round(seconds, 3),
+                        tokens_per_s=round(tokens / seconds, 2), engine_start_s=round(engine_start, 1),
+                        counters=read_counters()["per_tier"].get(tier, {}), texts=texts[:2],
+                    )
                 )
-            )
     import torch
 
     print("FSD_VLLM_RUNS " + json.dumps({

@@ -1,6 +1,6 @@
 # Two set-up commands (both idempotent, both work on a fresh machine):
 #   make demo   — create .venv, install, run the main job on the shipped default model pair
-#   make test   — create .venv, install, run the whole test suite (what CI runs)
+#   make test   — create .venv and .venv-vllm, install, run the whole test suite (what CI runs)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/fsd demo
 
-test: venv
+test: venv vllm-env
 	$(BIN)/ruff check decoder policies sim controller fsd_cli fsd_common fsd_vllm tests benchmarks
 	$(BIN)/mypy policies sim fsd_cli fsd_common decoder controller fsd_vllm
 	# benchmarks/ is a namespace of scripts, not a package: resolve `benchmarks.sse_client` from the root.

@@ -82,6 +82,7 @@ class _Job:
     threshold: float = 0.0  # the T this request runs at: one name from the HTTP body to verify_block
     draft_length: int | None = None  # the k this request runs at (None: the engine default)
     added: bool = False
+    deadline_s: float | None = None  # monotonic; past it nobody waits for the answer: aborted
     first_token_s: float | None = None
     output_tokens: int = 0
     distortion: float = 0.0
@@ -212,12 +213,15 @@ class BatchingLoop:
         threshold: float | None,
         sink: Callable[[TokenEvent], None],
         arrival_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         """Queue a request. ``threshold``: the request's own T (validated by the caller), None ⇒ it
-        follows its tier's T. ``arrival_s``: when it arrived (monotonic; default now)."""
+        follows its tier's T. ``arrival_s``: when it arrived (monotonic; default now). ``deadline_s``
+        (monotonic): the engine aborts the request there, started or not — its caller has given up, and a
+        cancellation that raced the request's start must not leave it running."""
         job = _Job(request_id, prompt_ids, params, tier, threshold is not None, sink,
                    time.monotonic() if arrival_s is None else arrival_s,
-                   threshold=threshold if threshold is not None else 0.0)
+                   threshold=threshold if threshold is not None else 0.0, deadline_s=deadline_s)
         with self._lock:
             self._in_flight += 1
             self._counters.arrivals += 1
@@ -331,6 +335,7 @@ class BatchingLoop:
                 self._drain_commands(block=idle)
                 if self._stopped.is_set():
                     break
+                self._expire(time.monotonic())
                 if self._engine.has_unfinished():
                     try:
                         self._step_once()
@@ -361,6 +366,11 @@ class BatchingLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _expire(self, now: float) -> None:
+        for job in [j for j in self._jobs.values() if j.deadline_s is not None and now > j.deadline_s]:
+            logger.info("request %s passed its deadline: aborted", job.request_id)
+            self._finish(job, "abort", aborted=True)
 
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd

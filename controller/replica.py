@@ -49,6 +49,10 @@ logger = logging.getLogger("ray.serve")
 #: dropped and counted (``dropped_reports``) rather than growing without bound.
 MAX_UNACKED_REPORTS = 1000
 
+#: A request is aborted in the engine this long after the ingress's own deadline (``http.request_timeout_s``
+#: from arrival) has answered 504: the ingress speaks first; the margin covers clock skew between nodes.
+DEADLINE_GRACE_S = 2.0
+
 #: The explicit error in-flight requests get when the service stops.
 SHUTDOWN_MESSAGE = "the service is shutting down; request cancelled"
 
@@ -503,7 +507,11 @@ class FSDReplica:
         arrival_s = None
         if req.arrival_unix is not None:  # the ingress's stamp, on this process's monotonic clock
             arrival_s = time.monotonic() - max(0.0, time.time() - req.arrival_unix)
-        self._loop.submit(request_id, prompt_ids, params, tier, pinned_threshold, sink, arrival_s)
+        # The ingress answers 504 at arrival + request_timeout_s; past that (plus a grace for clock skew
+        # between nodes) nobody reads this request, even if the cancellation raced its start.
+        deadline_s = (arrival_s if arrival_s is not None else time.monotonic()) + (
+            self._cfg.http.request_timeout_s + DEADLINE_GRACE_S)
+        self._loop.submit(request_id, prompt_ids, params, tier, pinned_threshold, sink, arrival_s, deadline_s)
         finished = False
         try:
             yield protocol.StartChunk(request_id=request_id, prompt_tokens=len(prompt_ids), tier=tier,

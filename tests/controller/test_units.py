@@ -352,3 +352,31 @@ def test_the_controller_models_the_served_pair_where_a_calibrated_profile_exists
         assert model is None and source.startswith("default model"), (pair, source)
     controller = FSDController(parse_config({"model": {"pair": "tiny"}}).model_dump(mode="json"), start_loop=False)
     assert controller.status(history=0)["operating_model"].startswith("default model")
+
+
+def test_batching_loop_aborts_a_request_past_its_deadline_started_or_not(engine: Any) -> None:
+    """The ingress has answered 504 at the deadline; a request still in the engine then (its cancellation
+    raced its start) is aborted there instead of decoding for nobody. Before the deadline nothing changes."""
+    import time
+
+    from decoder.engine import SamplingParams
+
+    loop = BatchingLoop(engine, {"standard": 0.0})
+    try:
+        # 480 tokens take > 200 engine steps (seconds even on a fast machine): far past a 0.3 s deadline.
+        long = SamplingParams(max_new_tokens=480, temperature=1.0, seed=1, eos_token_ids=())
+        q = queue.SimpleQueue[TokenEvent]()
+        loop.submit("stale", [257, 100], long, "standard", None, q.put, deadline_s=time.monotonic() - 1.0)
+        assert _drain(q)[-1].finish_reason == "abort"
+        running: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        loop.submit("late", [257, 101], long, "standard", None, running.put, deadline_s=time.monotonic() + 0.3)
+        events = _drain(running)
+        # Aborted mid-way (or, on a machine too busy to start it within 0.3 s, before its first token).
+        assert events[-1].finish_reason == "abort"
+        assert sum(len(e.new_token_ids) for e in events) < 480
+        ok = _drain(_collect(loop, "ok", [257, 99], SamplingParams(max_new_tokens=4)))
+        assert ok[-1].finish_reason == "length"
+        snap = loop.snapshot(drain_records=True)
+        assert snap["counters"]["aborted"] == 2 and snap["counters"]["completions"] == 1 and snap["in_flight"] == 0
+    finally:
+        loop.stop()

@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from controller.cmd_serve import config_with_overrides
 
+    from controller.config import config_with_overrides
     from controller.runtime import Service
 
     cfg = config_with_overrides(args.config, port=args.port, pair=args.pair)

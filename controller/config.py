@@ -344,3 +344,36 @@ def steered_replica_bounds(cfg: FSDConfig) -> tuple[int, int] | None:
             return None
     low, high = int(auto.get("min_replicas", 1)), int(auto.get("max_replicas", 1))
     return max(1, low), max(1, low, high)
+
+
+def _one_line_message(message: str) -> str:
+    # YAML and pydantic messages span lines; a CLI error is one line (grep-able, log-friendly).
+    return " ".join(message.split())
+
+
+def config_with_overrides(path: str | None, **overrides: Any) -> FSDConfig:
+    """Load the config file and apply command-line overrides (``port``, ``host``, ``pair``, ``engine``;
+    re-validated, so a bad value still names its field). Errors are one-line ValueErrors naming the file."""
+    if path is not None and Path(path).is_dir():
+        raise ValueError(f"config {path!r} is a directory, not a YAML file")
+    try:
+        data = load_config(path).model_dump(mode="json")
+    except OSError as exc:  # exists but unreadable (permissions, I/O)
+        raise ValueError(f"config file {path!r} is not readable: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        message = _one_line_message(str(exc))
+        if path is not None and path not in message:  # say which file the bad field is in
+            message = f"{path}: {message}"
+        raise ValueError(message) from None
+    if overrides.get("port") is not None:
+        data["http"]["port"] = overrides["port"]
+    if overrides.get("host") is not None:
+        data["http"]["host"] = overrides["host"]
+    if overrides.get("pair") is not None:
+        data["model"]["pair"] = overrides["pair"]
+    if overrides.get("engine") is not None:
+        data["model"]["engine"] = overrides["engine"]
+    try:
+        return parse_config(data)
+    except ValueError as exc:
+        raise ValueError(_one_line_message(str(exc))) from None

@@ -35,42 +35,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=handle)
 
 
-def _one_line(message: str) -> str:
-    # YAML and pydantic messages span lines; a CLI error is one line (grep-able, log-friendly).
-    return " ".join(message.split())
-
-
-def config_with_overrides(path: str | None, **overrides: Any) -> Any:
-    """Load the config and apply CLI overrides (re-validated, so bad values still name the field)."""
-    from pathlib import Path
-
-    from controller.config import load_config, parse_config
-
-    if path is not None and Path(path).is_dir():
-        raise ValueError(f"config {path!r} is a directory, not a YAML file")
-    try:
-        data = load_config(path).model_dump(mode="json")
-    except OSError as exc:  # exists but unreadable (permissions, I/O)
-        raise ValueError(f"config file {path!r} is not readable: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        message = _one_line(str(exc))
-        if path is not None and path not in message:  # say which file the bad field is in
-            message = f"{path}: {message}"
-        raise ValueError(message) from None
-    if overrides.get("port") is not None:
-        data["http"]["port"] = overrides["port"]
-    if overrides.get("host") is not None:
-        data["http"]["host"] = overrides["host"]
-    if overrides.get("pair") is not None:
-        data["model"]["pair"] = overrides["pair"]
-    if overrides.get("engine") is not None:
-        data["model"]["engine"] = overrides["engine"]
-    try:
-        return parse_config(data)
-    except ValueError as exc:
-        raise ValueError(_one_line(str(exc))) from None
-
-
 def check_port_free(host: str, port: int) -> None:
     """ValueError if something already listens on host:port (Serve's proxy would fail to bind it)."""
     import socket
@@ -120,6 +84,7 @@ def _model_source_present(source: str) -> bool:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from controller.config import config_with_overrides
     from controller.runtime import Service, resolve_address
 
     cfg = config_with_overrides(args.config, port=args.port, host=args.host, pair=args.pair,

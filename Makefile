@@ -33,7 +33,13 @@ test: venv vllm-env
 	$(BIN)/mypy policies sim fsd_cli fsd_common decoder controller fsd_vllm
 	# benchmarks/ is a namespace of scripts, not a package: resolve `benchmarks.sse_client` from the root.
 	$(BIN)/mypy --explicit-package-bases benchmarks
-	$(BIN)/python -m pytest -q -ra
+	# tests/vllm (~3 min, mostly vLLM engine start-ups in their own processes) runs beside the rest: the main
+	# suite keeps about one of the two cores busy on average (Ray start-ups, polls), so the pair ends ~3 min
+	# sooner than in series. Both must pass; the vLLM log is printed after the main summary.
+	@$(BIN)/python -m pytest -q -ra -p no:cacheprovider tests/vllm > .vllm-tests.log 2>&1 & vllm=$$!; \
+	$(BIN)/python -m pytest -q -ra --ignore=tests/vllm; main=$$?; \
+	wait $$vllm; v=$$?; echo "---- tests/vllm (run alongside the above) ----"; cat .vllm-tests.log; \
+	test $$main -eq 0 && test $$v -eq 0
 
 bench: venv
 	$(BIN)/python benchmarks/decoder_bench.py

@@ -157,10 +157,8 @@ def test_cli_generate_prints_text_and_stats(capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.slow
-def test_real_pair_greedy_exact_and_fuzzy_accepts_more() -> None:
-    from decoder.pairs import load_pair
-
-    real = load_pair("smollm2-135m")
+def test_real_pair_greedy_exact_and_fuzzy_accepts_more(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+    real, _ = smollm2_loads
     prompts = [
         real.encode_prompt("What is the capital of France?"),
         real.encode_prompt("Write a Python function that reverses a string."),

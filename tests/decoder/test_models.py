@@ -272,18 +272,8 @@ def test_load_custom_pair_missing_dir(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The real default pair (slow: one GGUF conversion + one cache load for the whole module)
+# The real default pair (slow: one GGUF conversion + one cache load, tests/decoder/conftest.py)
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2_loads(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ModelPair, ModelPair]]:
-    """(pair converted from the GGUF, pair loaded back from the safetensors cache), private cache dir."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FSD_CACHE_DIR", str(tmp_path_factory.mktemp("fsd-cache")))
-        from_gguf = load_pair("smollm2-135m")
-        from_cache = load_pair("smollm2-135m")
-        yield from_gguf, from_cache
 
 
 @pytest.mark.slow

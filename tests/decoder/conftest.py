@@ -1,0 +1,20 @@
+"""Fixtures shared by the decoder tests: the real default pair, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoder.models import ModelPair
+from decoder.pairs import load_pair
+
+
+@pytest.fixture(scope="session")
+def smollm2_loads(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelPair, ModelPair]:
+    """(pair converted from the GGUF, pair loaded back from the safetensors cache), private cache dir.
+
+    One GGUF conversion and one cache load (~50 s on 2 cores) for every test that needs the real pair."""
+    with pytest.MonkeyPatch.context() as patch:  # the private cache only while loading
+        patch.setenv("FSD_CACHE_DIR", str(tmp_path_factory.mktemp("fsd-cache")))
+        from_gguf = load_pair("smollm2-135m")
+        from_cache = load_pair("smollm2-135m")
+    return from_gguf, from_cache

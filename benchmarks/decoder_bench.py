@@ -29,6 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from decoder.baseline import target_only_decode  # noqa: E402
@@ -232,6 +233,16 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def paired_ratio(runs: dict[str, list[dict[str, float]]], a: str, b: str) -> dict[str, float]:
+    """Mean and 95 % t-interval of the per-run tokens/s ratio a / b over runs made back to back (same prompt,
+    same seed): the machine's drift hits both sides of a pair, unlike the ratio of pooled rates."""
+    from scipy import stats
+
+    r = np.array([x["tokens"] / x["time_s"] / (y["tokens"] / y["time_s"]) for x, y in zip(runs[a], runs[b], strict=True)])
+    half = float(stats.t.ppf(0.975, len(r) - 1) * r.std(ddof=1) / np.sqrt(len(r))) if len(r) > 1 else float("nan")
+    return {"mean": float(r.mean()), "ci95_low": float(r.mean()) - half, "ci95_high": float(r.mean()) + half, "n": len(r)}
+
+
 def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -276,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--reps", type=int, default=10, help="repetitions for the raw forward timings")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over the prompts (more paired samples for the per-run ratios' CIs)")
     parser.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts, 12 tokens: a smoke run")
     parser.add_argument("--out", default="results/decoder_bench.json")
     parser.add_argument("--plot", default="", help="also write a tokens/s-vs-distortion PNG here")
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     report["summary"] = {}
     for mode in modes:
         runs_by_setting: dict[str, list[dict[str, float]]] = {s.name: [] for s in settings}
-        for i, prompt in enumerate(prompts):  # prompt-major: settings interleaved in time
+        for i, prompt in [(i, p) for _ in range(args.rounds) for i, p in enumerate(prompts)]:  # settings interleaved
             params = SamplingParams(
                 temperature=0.0 if mode == "greedy" else 0.7,
                 max_new_tokens=args.max_new_tokens,
@@ -354,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["speedup_vs_hf_assisted"] = row["tokens_per_s"] / baseline["hf_assisted"]
         report["modes"][mode] = rows
         report["summary"][mode] = ratios(rows)
+        report["summary"][mode]["paired"] = {
+            f"{a}_vs_{b}": paired_ratio(runs_by_setting, a, b)
+            for a, b in (("k0", "target_only"), ("sd", "hf_assisted"), ("sd", "target_only"))
+            if runs_by_setting.get(a) and runs_by_setting.get(b)
+        }
 
     text = json.dumps(report, indent=2)
     print(text)

@@ -2,15 +2,19 @@
 
 One iteration (:meth:`FSDEngine.step`) over the running rows:
 
-1. **Admit** waiting requests up to ``max_batch_size``: prefill each prompt (all but its last token)
-   alone on both models, then merge its KV into the batch caches (:mod:`decoder.kv_cache`).
+1. **Admit** waiting requests up to ``max_batch_size``: prefill the joining prompts together on both models
+   (the target sees the whole prompt and keeps its last logits for the first token; the draft all but the
+   last token), then merge their KV into the batch caches (:mod:`decoder.kv_cache`).
 2. **Draft** ``k_b`` tokens for each row b (its own draft length, 0 included) with ``max k_b`` batched
    single-position draft forwards; a row that has drafted its k_b feeds padding. The first forward also
    feeds what the draft has not seen yet (the last emitted token, plus the last draft token when the
    previous block was fully accepted; more after steps without any draft forward), left-padded per row.
    When every row has k_b = 0 no draft forward runs at all.
 3. **Verify** with one target forward over ``k_b + 1`` positions per row (right-padded to ``max k_b + 1``):
-   the token the target has not seen (the last emitted one) and the row's drafts.
+   the token the target has not seen (the last emitted one) and the row's drafts. In a row's first
+   iteration the target has seen its whole prompt: it feeds only its drafts and verifies the first one
+   against the logits kept from the prefill, so a step of first iterations at k = 0 runs no forward at all
+   (plain decoding pays one forward per token, prefill included, like the target alone).
    :func:`decoder.acceptance.verify_block` decides, per row at that row's own threshold T, how many drafts
    are accepted and the next token. A row with k_b = 0 is plain target decoding.
 4. **Roll back** both caches: rejected slots become holes in the attention mask (nothing is
@@ -18,7 +22,8 @@ One iteration (:meth:`FSDEngine.step`) over the running rows:
 5. Emit tokens, apply eos / stop strings / ``max_new_tokens``; finished rows leave the batch.
 
 Invariants per running row: the target cache holds every token of the sequence except the last one
-(``pending``); the draft cache holds every token except ``draft_unseen`` (1 or 2 tokens).
+(``pending``) — until the row's first iteration, when it holds the whole prompt and ``prefill_logits``
+are the target's logits after it; the draft cache holds every token except ``draft_unseen``.
 
 Sampling: each request has its own ``torch.Generator`` (seeded from ``SamplingParams.seed``, else from
 the engine's generator at admission), and every draw for a row comes from that generator alone: ``2 k_b
@@ -177,7 +182,10 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     stop_scan_from: int = 0  # output tokens before this index cannot start a new stop-string match
     stop_text: str | None = None  # the output text cut before the stop string that ended it
-    pending: int = -1  # the last token: in the sequence, not yet in the target cache
+    pending: int = -1  # the last token: in the sequence, not yet in the target cache (see prefill_logits)
+    # Before the first iteration: the target's logits [V] after the whole prompt, which the target cache
+    # then holds, pending included. None afterwards.
+    prefill_logits: torch.Tensor | None = None
     draft_unseen: list[int] = field(default_factory=list)  # in the sequence, not yet in the draft cache
     finished: bool = False
     finish_reason: str | None = None
@@ -312,6 +320,7 @@ class FSDEngine:
         if request.finished:
             return
         request.finished, request.finish_reason = True, "abort"
+        request.prefill_logits = None  # [V] floats a finished request no longer needs
         if request in self._waiting:
             self._waiting.remove(request)
         else:
@@ -387,7 +396,10 @@ class FSDEngine:
         if k > 0:
             draft_probs, draft_tokens, draft_div_logits = self._draft(running, lengths, k, sampling, draft_uniforms, need_div)
         t1 = time.perf_counter()
-        target_logits = self._verify_forward(running, lengths, k, draft_tokens)
+        prefed = [r.prefill_logits is not None for r in running]
+        target_logits = self._verify_forward(running, lengths, k, draft_tokens, prefed)
+        for r in running:
+            r.prefill_logits = None
         target_probs = sampling_probs(target_logits, *sampling)  # [B, k+1, V]
         if draft_probs is None or draft_tokens is None:  # every row plain decoding: no drafts to verify
             sampled = sample_from_uniforms(target_probs[:, 0], verify_uniforms[:, 0])
@@ -410,7 +422,7 @@ class FSDEngine:
                 uniforms=verify_uniforms,
             )
             block = _HostBlock.of(result.num_accepted, result.next_token, result.fuzzy_accepted, result.distortion, draft_tokens)
-        self._rollback(block.num_accepted, lengths, k)
+        self._rollback(block.num_accepted, lengths, k, prefed)
         t2 = time.perf_counter()
 
         rows.extend(self._emit(running, block, lengths, ran_draft=k > 0))
@@ -477,18 +489,23 @@ class FSDEngine:
         # request that joins with k = 0 skips the draft prefill: its whole prompt stays "unseen" by the
         # draft and is fed only if it ever drafts (plain decoding must not pay for a draft).
         drafting = [self._row_draft_length(r) > 0 for r in joining]
+        prefill_logits: torch.Tensor | None = None
         for model, batch_cache, prefixes in (
-            (self.target, self._target_cache, [r.prompt_ids[:-1] for r in joining]),
+            (self.target, self._target_cache, [r.prompt_ids for r in joining]),
             (self.draft, self._draft_cache, [r.prompt_ids[:-1] if d else [] for r, d in zip(joining, drafting, strict=True)]),
         ):
             width = max(len(p) for p in prefixes)
             joining_cache = self._new_cache(model, len(joining))
             if width:
                 feed, valid = self._padded(prefixes, width, left=True)
-                self._forward(model, joining_cache, feed, valid, logits_to_keep=1)
+                logits = self._forward(model, joining_cache, feed, valid, logits_to_keep=1)
+                if model is self.target:  # left-padded: the last column is every row's last prompt token
+                    prefill_logits = logits[:, -1].float()
             batch_cache.append_rows(joining_cache)
-        for r, d in zip(joining, drafting, strict=True):
+        assert prefill_logits is not None  # every prompt has at least one token
+        for j, (r, d) in enumerate(zip(joining, drafting, strict=True)):
             r.pending = r.prompt_ids[-1]
+            r.prefill_logits = prefill_logits[j]
             r.draft_unseen = [r.prompt_ids[-1]] if d else list(r.prompt_ids)
             self._running.append(r)
         return time.perf_counter() - start, sum(len(r.prompt_ids) for r in joining)
@@ -562,22 +579,42 @@ class FSDEngine:
         return torch.stack(probs_steps, 1), torch.stack(token_steps, 1), div_logits
 
     def _verify_forward(
-        self, running: list[_Request], lengths: list[int], k: int, draft_tokens: torch.Tensor | None
+        self, running: list[_Request], lengths: list[int], k: int, draft_tokens: torch.Tensor | None,
+        prefed: list[bool],
     ) -> torch.Tensor:
-        """One target forward over [pending, d_1..d_k_b] per row (right-padded); returns logits [B, k+1, V]."""
+        """Target logits [B, k+1, V] for [pending, d_1..d_k_b] per row: one forward over those tokens
+        (right-padded), except that a row in its first iteration (``prefed``: the target has seen its whole
+        prompt) feeds only its drafts and takes position 0 from its prefill logits. No forward at all when
+        every row is such a row with k_b = 0."""
+        if all(prefed) and draft_tokens is None:
+            return torch.stack([r.prefill_logits for r in running if r.prefill_logits is not None])[:, None]
         pending = torch.tensor([[r.pending] for r in running], dtype=torch.long).to(self.device)
         if draft_tokens is None:
             feed = pending
-            valid = torch.ones(len(running), 1, dtype=torch.bool)  # host, like every valid mask
+            valid = torch.tensor([[not p] for p in prefed], dtype=torch.bool)  # host, like every valid mask
         else:
             feed = torch.cat([pending, draft_tokens], dim=1)
             valid = torch.tensor([[j <= n for j in range(k + 1)] for n in lengths], dtype=torch.bool)
-        return self._forward(self.target, self._target_cache, feed, valid).float()
+            if any(prefed):
+                # Pre-fed rows feed [d_1..d_k_b] from column 0 (their padding at the end).
+                rows = torch.tensor([b for b, p in enumerate(prefed) if p])
+                feed[rows.to(self.device)] = torch.roll(feed[rows.to(self.device)], -1, dims=1)
+                valid[rows] = torch.tensor([[j < lengths[b] for j in range(k + 1)] for b in rows.tolist()],
+                                           dtype=torch.bool)
+        logits = self._forward(self.target, self._target_cache, feed, valid).float()
+        if any(prefed):
+            for b, r in enumerate(running):
+                if r.prefill_logits is not None:  # position j + 1 was computed at column j
+                    logits[b, 1:] = logits[b, :-1].clone()
+                    logits[b, 0] = r.prefill_logits
+        return logits
 
-    def _rollback(self, num_accepted: list[int], lengths: list[int], k: int) -> None:
+    def _rollback(self, num_accepted: list[int], lengths: list[int], k: int, prefed: list[bool]) -> None:
         """Keep the accepted prefix of the slots written this iteration; the rest become holes."""
-        # Target slots: [pending, d_1..d_k] -> keep pending and the accepted drafts.
-        self._target_cache.reject_tail(k + 1, [n + 1 for n in num_accepted])
+        # Target slots: [pending, d_1..d_k] -> keep pending and the accepted drafts; a pre-fed row wrote
+        # [d_1..d_k, pad] -> keep the accepted drafts. No slot at all when no forward ran.
+        if not (all(prefed) and k == 0):
+            self._target_cache.reject_tail(k + 1, [n + (not p) for n, p in zip(num_accepted, prefed, strict=True)])
         if k > 0:
             # Draft slots: [pad.., unseen.., d_1..d_{k-1}] -> keep the unseen tokens and the accepted drafts
             # that were fed (d_{k_b} never is).

@@ -251,6 +251,41 @@ def test_k0_greedy_is_plain_target_decoding_without_draft_forwards(pair: ModelPa
     assert engine.output("a").distortion == 0.0
 
 
+def test_k0_runs_one_target_forward_per_token_prefill_included(pair: ModelPair) -> None:
+    # Like the target alone: the prefill's last logits give the first token, so n tokens cost the prefill
+    # and n - 1 single-token forwards (the engine once paid one more: the prompt's last token fed again).
+    forwards: list[int] = []
+    hook = pair.target.register_forward_hook(lambda _m, args, kwargs, _out: forwards.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        engine = FSDEngine(pair, num_draft_tokens=0)
+        engine.add_request("a", PROMPTS[0], greedy_params(9))
+        steps = engine.run_to_completion()
+    finally:
+        hook.remove()
+    assert forwards == [len(PROMPTS[0])] + [1] * 8
+    assert engine.output("a").token_ids == target_greedy(pair.target, PROMPTS[0], 9)
+    assert len(steps) == 9 and steps[0].verify_time_s < steps[0].prefill_time_s
+
+
+def test_a_row_joining_mid_flight_verifies_its_first_drafts_against_its_prefill(pair: ModelPair) -> None:
+    # A row in its first iteration feeds only its drafts (its prompt is all in the target cache) while
+    # running rows feed [pending, drafts]: every row still gets what it gets alone, at every k mix.
+    requests = [(PROMPTS[i], greedy_params(18), t) for i, t in ((0, 0.0), (1, 0.5), (2, 0.0), (3, 0.0))]
+    ks: list[int | None] = [3, 0, 4, 0]
+    singles = {str(i): run(pair, [r], draft_lengths=[ks[i]])["0"] for i, r in enumerate(requests)}
+    assert singles["2"] == target_greedy(pair.target, PROMPTS[2], 18)
+    engine = FSDEngine(pair, num_draft_tokens=4)
+    engine.add_request("0", *requests[0], draft_length=ks[0])
+    engine.add_request("1", *requests[1], draft_length=ks[1])
+    engine.step()
+    engine.step()
+    engine.add_request("2", *requests[2], draft_length=ks[2])  # joins rows that are mid-flight
+    engine.add_request("3", *requests[3], draft_length=ks[3])
+    engine.run_to_completion()
+    assert {str(i): engine.output(str(i)).token_ids for i in range(4)} == singles
+
+
 def test_batch_mixing_k0_k2_k4_gives_each_row_what_it_gets_alone(pair: ModelPair) -> None:
     requests = [
         (PROMPTS[0], sampled(11, 25), 0.3),

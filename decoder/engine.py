@@ -3,18 +3,20 @@
 One iteration (:meth:`FSDEngine.step`) over the running rows:
 
 1. **Admit** waiting requests up to ``max_batch_size``: prefill the joining prompts together on both models
-   (the target sees the whole prompt and keeps its last logits for the first token; the draft all but the
-   last token), then merge their KV into the batch caches (:mod:`decoder.kv_cache`).
+   (the draft all but the last token; the target too, except into an idle engine, where it sees the whole
+   prompt and keeps its last logits for the first token), then merge their KV into the batch caches
+   (:mod:`decoder.kv_cache`).
 2. **Draft** ``k_b`` tokens for each row b (its own draft length, 0 included) with ``max k_b`` batched
    single-position draft forwards; a row that has drafted its k_b feeds padding. The first forward also
    feeds what the draft has not seen yet (the last emitted token, plus the last draft token when the
    previous block was fully accepted; more after steps without any draft forward), left-padded per row.
    When every row has k_b = 0 no draft forward runs at all.
 3. **Verify** with one target forward over ``k_b + 1`` positions per row (right-padded to ``max k_b + 1``):
-   the token the target has not seen (the last emitted one) and the row's drafts. In a row's first
-   iteration the target has seen its whole prompt: it feeds only its drafts and verifies the first one
-   against the logits kept from the prefill, so a step of first iterations at k = 0 runs no forward at all
-   (plain decoding pays one forward per token, prefill included, like the target alone).
+   the token the target has not seen (the last emitted one) and the row's drafts. A row that joined an idle
+   engine has its whole prompt in the target cache: in its first iteration it feeds only its drafts and
+   verifies the first one against the logits kept from the prefill, so a step of such rows at k = 0 runs
+   no forward at all (plain decoding at batch 1 pays one forward per token, prefill included, like the
+   target alone).
    :func:`decoder.acceptance.verify_block` decides, per row at that row's own threshold T, how many drafts
    are accepted and the next token. A row with k_b = 0 is plain target decoding.
 4. **Roll back** both caches: rejected slots become holes in the attention mask (nothing is
@@ -22,8 +24,8 @@ One iteration (:meth:`FSDEngine.step`) over the running rows:
 5. Emit tokens, apply eos / stop strings / ``max_new_tokens``; finished rows leave the batch.
 
 Invariants per running row: the target cache holds every token of the sequence except the last one
-(``pending``) — until the row's first iteration, when it holds the whole prompt and ``prefill_logits``
-are the target's logits after it; the draft cache holds every token except ``draft_unseen``.
+(``pending``) — except before the first iteration of a row that joined an idle engine, when it holds the
+whole prompt and ``prefill_logits`` are the target's logits after it; the draft cache holds every token except ``draft_unseen``.
 
 Sampling: each request has its own ``torch.Generator`` (seeded from ``SamplingParams.seed``, else from
 the engine's generator at admission), and every draw for a row comes from that generator alone: ``2 k_b
@@ -489,9 +491,14 @@ class FSDEngine:
         # request that joins with k = 0 skips the draft prefill: its whole prompt stays "unseen" by the
         # draft and is fed only if it ever drafts (plain decoding must not pay for a draft).
         drafting = [self._row_draft_length(r) > 0 for r in joining]
+        # Into an idle engine the target prefills whole prompts and keeps the last logits for the first token
+        # (plain decoding then pays one forward per token, like the target alone). Not beside running rows:
+        # a k = 0 row in its first iteration would feed nothing and leave a hole in the target cache, and a
+        # cache with holes takes the masked attention path at every later step.
+        prefeed = not self._running
         prefill_logits: torch.Tensor | None = None
         for model, batch_cache, prefixes in (
-            (self.target, self._target_cache, [r.prompt_ids for r in joining]),
+            (self.target, self._target_cache, [r.prompt_ids if prefeed else r.prompt_ids[:-1] for r in joining]),
             (self.draft, self._draft_cache, [r.prompt_ids[:-1] if d else [] for r, d in zip(joining, drafting, strict=True)]),
         ):
             width = max(len(p) for p in prefixes)
@@ -502,10 +509,9 @@ class FSDEngine:
                 if model is self.target:  # left-padded: the last column is every row's last prompt token
                     prefill_logits = logits[:, -1].float()
             batch_cache.append_rows(joining_cache)
-        assert prefill_logits is not None  # every prompt has at least one token
         for j, (r, d) in enumerate(zip(joining, drafting, strict=True)):
             r.pending = r.prompt_ids[-1]
-            r.prefill_logits = prefill_logits[j]
+            r.prefill_logits = prefill_logits[j] if prefeed and prefill_logits is not None else None
             r.draft_unseen = [r.prompt_ids[-1]] if d else list(r.prompt_ids)
             self._running.append(r)
         return time.perf_counter() - start, sum(len(r.prompt_ids) for r in joining)

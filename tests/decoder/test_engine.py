@@ -268,9 +268,10 @@ def test_k0_runs_one_target_forward_per_token_prefill_included(pair: ModelPair) 
     assert len(steps) == 9 and steps[0].verify_time_s < steps[0].prefill_time_s
 
 
-def test_a_row_joining_mid_flight_verifies_its_first_drafts_against_its_prefill(pair: ModelPair) -> None:
-    # A row in its first iteration feeds only its drafts (its prompt is all in the target cache) while
-    # running rows feed [pending, drafts]: every row still gets what it gets alone, at every k mix.
+def test_rows_joining_idle_or_mid_flight_get_what_they_get_alone(pair: ModelPair) -> None:
+    # Rows joining an idle engine feed only their drafts in their first iteration (their prompts are all in
+    # the target cache, the first position verified against the prefill's logits), next to a row that does
+    # not draft; rows joining mid-flight prefill all but the last token. Each gets what it gets alone.
     requests = [(PROMPTS[i], greedy_params(18), t) for i, t in ((0, 0.0), (1, 0.5), (2, 0.0), (3, 0.0))]
     ks: list[int | None] = [3, 0, 4, 0]
     singles = {str(i): run(pair, [r], draft_lengths=[ks[i]])["0"] for i, r in enumerate(requests)}

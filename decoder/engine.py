@@ -398,8 +398,9 @@ class FSDEngine:
         if k > 0:
             draft_probs, draft_tokens, draft_div_logits = self._draft(running, lengths, k, sampling, draft_uniforms, need_div)
         t1 = time.perf_counter()
-        prefed = [r.prefill_logits is not None for r in running]
-        target_logits = self._verify_forward(running, lengths, k, draft_tokens, prefed)
+        # Rows that joined an idle engine are the whole batch in their first step (nothing else was running).
+        first = running[0].prefill_logits is not None
+        target_logits = self._verify_forward(running, lengths, k, draft_tokens, first)
         for r in running:
             r.prefill_logits = None
         target_probs = sampling_probs(target_logits, *sampling)  # [B, k+1, V]
@@ -424,7 +425,7 @@ class FSDEngine:
                 uniforms=verify_uniforms,
             )
             block = _HostBlock.of(result.num_accepted, result.next_token, result.fuzzy_accepted, result.distortion, draft_tokens)
-        self._rollback(block.num_accepted, lengths, k, prefed)
+        self._rollback(block.num_accepted, lengths, k, first)
         t2 = time.perf_counter()
 
         rows.extend(self._emit(running, block, lengths, ran_draft=k > 0))
@@ -585,42 +586,36 @@ class FSDEngine:
         return torch.stack(probs_steps, 1), torch.stack(token_steps, 1), div_logits
 
     def _verify_forward(
-        self, running: list[_Request], lengths: list[int], k: int, draft_tokens: torch.Tensor | None,
-        prefed: list[bool],
+        self, running: list[_Request], lengths: list[int], k: int, draft_tokens: torch.Tensor | None, first: bool
     ) -> torch.Tensor:
         """Target logits [B, k+1, V] for [pending, d_1..d_k_b] per row: one forward over those tokens
-        (right-padded), except that a row in its first iteration (``prefed``: the target has seen its whole
-        prompt) feeds only its drafts and takes position 0 from its prefill logits. No forward at all when
-        every row is such a row with k_b = 0."""
-        if all(prefed) and draft_tokens is None:
-            return torch.stack([r.prefill_logits for r in running if r.prefill_logits is not None])[:, None]
+        (right-padded). In the ``first`` step of rows that joined an idle engine the target has seen their
+        whole prompts: position 0 comes from the prefill logits and only the drafts are fed (no forward at
+        all at k = 0)."""
+        if first:
+            prefill = torch.stack([r.prefill_logits for r in running if r.prefill_logits is not None])[:, None]
+            if draft_tokens is None:
+                return prefill
+            valid = torch.tensor([[j < n for j in range(k)] for n in lengths], dtype=torch.bool)
+            return torch.cat([prefill, self._forward(self.target, self._target_cache, draft_tokens, valid).float()], 1)
         pending = torch.tensor([[r.pending] for r in running], dtype=torch.long).to(self.device)
         if draft_tokens is None:
             feed = pending
-            valid = torch.tensor([[not p] for p in prefed], dtype=torch.bool)  # host, like every valid mask
+            valid = torch.ones(len(running), 1, dtype=torch.bool)  # host, like every valid mask
         else:
             feed = torch.cat([pending, draft_tokens], dim=1)
             valid = torch.tensor([[j <= n for j in range(k + 1)] for n in lengths], dtype=torch.bool)
-            if any(prefed):
-                # Pre-fed rows feed [d_1..d_k_b] from column 0 (their padding at the end).
-                rows = torch.tensor([b for b, p in enumerate(prefed) if p])
-                feed[rows.to(self.device)] = torch.roll(feed[rows.to(self.device)], -1, dims=1)
-                valid[rows] = torch.tensor([[j < lengths[b] for j in range(k + 1)] for b in rows.tolist()],
-                                           dtype=torch.bool)
-        logits = self._forward(self.target, self._target_cache, feed, valid).float()
-        if any(prefed):
-            for b, r in enumerate(running):
-                if r.prefill_logits is not None:  # position j + 1 was computed at column j
-                    logits[b, 1:] = logits[b, :-1].clone()
-                    logits[b, 0] = r.prefill_logits
-        return logits
+        return self._forward(self.target, self._target_cache, feed, valid).float()
 
-    def _rollback(self, num_accepted: list[int], lengths: list[int], k: int, prefed: list[bool]) -> None:
+    def _rollback(self, num_accepted: list[int], lengths: list[int], k: int, first: bool) -> None:
         """Keep the accepted prefix of the slots written this iteration; the rest become holes."""
-        # Target slots: [pending, d_1..d_k] -> keep pending and the accepted drafts; a pre-fed row wrote
-        # [d_1..d_k, pad] -> keep the accepted drafts. No slot at all when no forward ran.
-        if not (all(prefed) and k == 0):
-            self._target_cache.reject_tail(k + 1, [n + (not p) for n, p in zip(num_accepted, prefed, strict=True)])
+        # Target slots: [pending, d_1..d_k] -> keep pending and the accepted drafts; in the first step of
+        # rows that joined an idle engine: [d_1..d_k] -> keep the accepted drafts (k = 0: nothing written).
+        if first:
+            if k > 0:
+                self._target_cache.reject_tail(k, num_accepted)
+        else:
+            self._target_cache.reject_tail(k + 1, [n + 1 for n in num_accepted])
         if k > 0:
             # Draft slots: [pad.., unseen.., d_1..d_{k-1}] -> keep the unseen tokens and the accepted drafts
             # that were fed (d_{k_b} never is).

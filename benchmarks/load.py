@@ -103,7 +103,9 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
             while not done.is_set():
                 try:
                     st = (await client.get("/v1/fsd/status", params={"history": 0})).json()
-                    samples.append({"t_s": time.monotonic() - t_start, "thresholds": st["thresholds"]})
+                    samples.append({"t_s": time.monotonic() - t_start, "thresholds": st["thresholds"],
+                                    "draft_lengths": st.get("draft_lengths"),
+                                    "reason": (st.get("last_decision") or {}).get("reason")})
                 except Exception:
                     pass
                 await asyncio.sleep(args.interval)
@@ -118,18 +120,34 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
 def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if name == "live":
         return None
+    # Every static configuration states its k (the deployment's unless given): a configuration that
+    # left k out would inherit the previous one's (plain's k = 0, say), so results would depend on order.
+    default_k: dict[str, Any] = {} if args.default_k is None else {"draft_lengths": args.default_k}
     if name == "static0":
-        return {"policy": "static", "thresholds": 0.0, "guards": False}
+        return {"policy": "static", "thresholds": 0.0, "guards": False, **default_k}
     if name == "plain":  # plain target decoding: T = 0, k = 0 (no draft forward) for every tier
         return {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "guards": False}
     if name == "static0k4":  # standard speculative decoding: T = 0, k = 4 for every tier
         return {"policy": "static", "thresholds": 0.0, "draft_lengths": 4, "guards": False}
     if name == "ceiling":
-        return {"policy": "static", "thresholds": {args.tier: args.ceiling}, "guards": False}
+        return {"policy": "static", "thresholds": {args.tier: args.ceiling}, "guards": False, **default_k}
     if name == "slo":
         policy: dict[str, Any] = json.loads(args.slo_policy)
         return policy
-    raise ValueError(f"unknown configuration {name!r}; expected static0, plain, static0k4, ceiling, slo or live")
+    if name.startswith("static:"):  # static:T or static:T:k, T for the benchmarked tier(s), 0 elsewhere
+        parts = name.split(":")[1:]
+        try:
+            t = float(parts[0])
+            k = int(parts[1]) if len(parts) > 1 else None
+        except (ValueError, IndexError):
+            raise ValueError(f"configuration {name!r}: expected static:T or static:T:k") from None
+        if len(parts) > 2 or not (math.isfinite(t) and t >= 0) or (k is not None and k < 0):
+            raise ValueError(f"configuration {name!r}: expected static:T or static:T:k with T >= 0, k >= 0")
+        spec: dict[str, Any] = {"policy": "static", "thresholds": {tier: t for tier in args.tiers}, "guards": False}
+        spec.update({"draft_lengths": k} if k is not None else default_k)
+        return spec
+    raise ValueError(f"unknown configuration {name!r}; expected static0, plain, static0k4, ceiling, static:T[:k], "
+                     "slo or live")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -159,6 +177,54 @@ def summarise(run: dict[str, Any], tpot_target: float | None, duration_s: float)
     ts = [s["thresholds"].get(run.get("tier", "standard"), 0.0) for s in run["t_samples"]]
     out["threshold"] = {"min": min(ts, default=None), "max": max(ts, default=None),
                         "mean": float(np.mean(ts)) if ts else None}
+    ks = [s["draft_lengths"].get(run.get("tier", "standard")) for s in run["t_samples"] if s.get("draft_lengths")]
+    ks = [k for k in ks if k is not None]
+    out["draft_length"] = {"min": min(ks, default=None), "max": max(ks, default=None),
+                           "mean": float(np.mean(ks)) if ks else None}
+    return out
+
+
+def criterion(configs: list[dict[str, Any]], tier: dict[str, Any]) -> dict[str, Any] | None:
+    """Issue 11's criterion for each adaptive configuration against the static ones that ran.
+
+    Where some static point meets the tier's SLO (attainment >= percentile / 100, mean distortion within
+    budget) the policy must meet it at no more distortion than the least-distortion such point (+0.002);
+    where none does, its attainment must be within 1 point of the best static point within budget, and
+    the policy within budget itself.
+    """
+    target = tier.get("percentile", 95.0) / 100.0
+    budget = tier.get("max_mean_distortion")
+
+    def dist(c: dict[str, Any]) -> float:
+        return c["mean_distortion_per_token"] or 0.0
+
+    def within(c: dict[str, Any]) -> bool:
+        return budget is None or dist(c) <= budget + 1e-9
+
+    def meets(c: dict[str, Any]) -> bool:
+        return within(c) and (c.get("slo_attainment") or 0.0) >= target - 1e-9
+
+    statics = [c for c in configs if (c["spec"] or {}).get("policy") == "static"]
+    adaptive = [c for c in configs if c not in statics]
+    if not statics or not adaptive or any(c.get("slo_attainment") is None for c in configs):
+        return None
+    meeting = [c for c in statics if meets(c)]
+    out: dict[str, Any] = {"attainment_target": target, "budget": budget,
+                           "static_points_meeting": [c["name"] for c in meeting]}
+    if meeting:
+        ref = min(meeting, key=dist)
+        out["reference"] = {"name": ref["name"], "rule": "meets the SLO at least distortion",
+                            "attainment": ref["slo_attainment"], "mean_distortion": dist(ref)}
+        held = {c["name"]: meets(c) and dist(c) <= dist(ref) + 0.002 for c in adaptive}
+    else:
+        inside = [c for c in statics if within(c)]
+        best_static = max(inside, key=lambda c: c["slo_attainment"]) if inside else None
+        out["reference"] = best_static and {
+            "name": best_static["name"], "rule": "most attainment within budget",
+            "attainment": best_static["slo_attainment"], "mean_distortion": dist(best_static)}
+        best = best_static["slo_attainment"] if best_static else 0.0
+        held = {c["name"]: within(c) and c["slo_attainment"] >= best - 0.01 for c in adaptive}
+    out["held"] = held
     return out
 
 
@@ -221,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-ms", type=float, default=None, help="override the tier's p95 TPOT target")
     p.add_argument("--ceiling", type=float, default=None, help="T for the 'ceiling' config (default: tier max)")
     p.add_argument("--configs", default="static0,ceiling,slo",
-                   help="comma-separated: static0, plain (T = 0, k = 0), static0k4 (T = 0, k = 4), ceiling, slo, "
-                        "live (keep the service's policy)")
+                   help="comma-separated: static0, plain (T = 0, k = 0), static0k4 (T = 0, k = 4), ceiling, "
+                        "static:T or static:T:k (a static point for the benchmarked tier), slo, live (keep the "
+                        "service's policy)")
     p.add_argument("--url", default=None, help="drive this running service instead of starting one")
     p.add_argument("--token", default=None, help="with --url: admin token (default $FSD_ADMIN_TOKEN)")
     p.add_argument("--slo-policy", default='{"policy": "slo"}', help="JSON policy spec for the 'slo' config (default: the shipped SLO policy)")
@@ -279,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         "replica": {"max_queued": 64, "stale_after_s": max(10.0, 5 * args.interval)},
         "http": {"port": port, "admin_token": token, "request_timeout_s": args.request_timeout},
     })
+    # k of the static configurations that do not name one: the started deployment's (a running one's is
+    # not known here: those keep the service's).
+    args.default_k = None if args.url else cfg.model.num_draft_tokens
     times = arrivals(rates, args.phase_s, args.arrival, args.cv, np.random.default_rng(args.seed), args.max_requests)
     duration = args.phase_s * (len(rates) + (1 if len(rates) > 1 else 0))
     runs = []
@@ -301,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": [summarise(r, tpot_target, duration) for r in runs],
         "runs": [{k: r[k] for k in ("name", "records", "t_samples")} for r in runs],
     }
+    report["criterion"] = criterion(report["configs"], slo["tiers"][args.tier])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -16,6 +16,7 @@ Rates and step sizes are fractions of each tier's T range per second / per step 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from policies.base import Policy
@@ -330,20 +331,25 @@ def guarded(
     inner: Policy,
     slo: SLOSpec,
     *,
-    quality: bool = True,
+    quality: bool | Mapping[str, Any] = True,
     stale_after_s: float | None = 5.0,
     max_gap_s: float | None = None,
     max_rate: float | None = None,
     min_change: float | None = None,
 ) -> Policy:
-    """``inner`` wrapped in the standard order: clamp → rate limit → hysteresis → quality → fail-safe."""
+    """``inner`` wrapped in the standard order: clamp → rate limit → hysteresis → quality → fail-safe.
+
+    ``quality``: True (the guard at its defaults), False (none) or :class:`QualityGuard`'s keyword arguments.
+    """
     policy: Policy = TierClamp(inner, slo)
     if max_rate is not None:
         policy = RateLimit(policy, slo, max_rate)
     if min_change is not None:
         policy = Hysteresis(policy, slo, min_change)
-    if quality:
+    if quality is True:
         policy = QualityGuard(policy, slo)
+    elif quality is not False:
+        policy = QualityGuard(policy, slo, **quality)
     if stale_after_s is not None:
         policy = FailSafe(policy, slo, stale_after_s=stale_after_s, max_gap_s=max_gap_s)
     return policy

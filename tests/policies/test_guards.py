@@ -129,6 +129,36 @@ def test_quality_guard_keeps_windowed_distortion_within_budget(slope: float, see
     assert np.mean(thresholds[WARM_UP:]) >= 0.6 * min(1.0, budget / slope)
 
 
+@pytest.mark.parametrize(("slope", "seed"), [(0.16, 0), (0.3, 1), (0.6, 2), (0.3, 3)])
+def test_the_shipped_policys_quality_guard_is_a_safety_net_at_the_budget(slope: float, seed: int) -> None:
+    """The shipped SLO policy's guard (DEFAULT_POLICY_SPEC: ~10-window average, backs off above the budget
+    itself) against the same plant: the run's mean distortion stays within budget and every 30-window mean
+    within 6 % of it, and it spends more of the budget (higher mean T) than the default guard."""
+    from policies.registry import DEFAULT_POLICY_SPEC
+
+    slo = make_slo()
+    budget = slo.tiers["standard"].max_mean_distortion
+    assert budget is not None
+    shipped = DEFAULT_POLICY_SPEC["guards"]["quality"]
+    runs = {}
+    for name, params in (("default", {}), ("shipped", shipped)):
+        policy = QualityGuard(TierClamp(StaticPolicy(slo, 1.0), slo), slo, **params)
+        plant = DistortionPlant(seed, slope=slope)
+        threshold, distortions, thresholds = 1.0, [], []
+        for i in range(300):
+            d = plant.distortion(threshold)
+            window = make_tier_window(threshold=threshold, mean_distortion=d)
+            threshold = policy.decide(make_telemetry(time_s=float(i + 1), tiers={"standard": window})).thresholds[
+                "standard"]
+            distortions.append(d)
+            thresholds.append(threshold)
+        runs[name] = (np.array(distortions[WARM_UP:]), np.mean(thresholds[WARM_UP:]))
+    after, mean_t = runs["shipped"]
+    assert after.mean() <= budget
+    assert np.convolve(after, np.ones(30) / 30, mode="valid").max() <= 1.06 * budget
+    assert mean_t > runs["default"][1]
+
+
 def test_quality_guard_leaves_tiers_without_budget_and_holds_estimate_without_tokens() -> None:
     slo = make_slo()  # lossless has no budget (and is pinned); economy has 0.35
     policy = QualityGuard(Scripted(Decision({"standard": 1.0, "economy": 4.0, "lossless": 0.0})), slo)

@@ -219,3 +219,23 @@ def test_slo_policy_asks_for_replicas_within_the_owners_bounds_unless_its_spec_s
         make_policy({"policy": "slo", "max_replicas": 0}, slo)
     with pytest.raises(ValueError, match="max_replicas 1 must be >= min_replicas 2"):
         make_policy({"policy": "slo", "max_replicas": 1}, slo, replica_bounds=(2, 5))
+
+
+def test_quality_guard_parameters_come_from_the_spec_and_bad_ones_name_the_field() -> None:
+    from policies.guards import QualityGuard
+    from policies.registry import DEFAULT_POLICY_SPEC
+
+    policy = make_policy({"policy": "static", "thresholds": 0.5, "guards": {"quality": {"alpha": 0.2, "margin": 0}}},
+                         make_slo())
+    guard = policy
+    while not isinstance(guard, QualityGuard):
+        guard = guard.inner
+    assert (guard.alpha, guard.margin, guard.backoff) == (0.2, 0.0, 0.7)
+    shipped = make_policy("slo", make_slo())
+    while not isinstance(shipped, QualityGuard):
+        shipped = shipped.inner
+    assert shipped.params() == {**shipped.params(), **DEFAULT_POLICY_SPEC["guards"]["quality"]}
+    with pytest.raises(ValueError, match="guards.quality.alpha"):
+        make_policy({"policy": "static", "thresholds": 0.5, "guards": {"quality": {"alpha": 2}}}, make_slo())
+    with pytest.raises(ValueError, match="guards.quality"):
+        make_policy({"policy": "static", "thresholds": 0.5, "guards": {"quality": {"gain": 1}}}, make_slo())

@@ -8,9 +8,10 @@ mode evaluates on cases none of that saw:
 
 * slices of the Azure LLM inference trace 2023 (``../shared/traces``, CC-BY 4.0, Patel et al.,
   "Splitwise", ISCA 2024), conversation part, 8-minute slices from 40 and 50 min on (set A) or 45
-  and 35 min on (set B; the shipped scenario replays the first 30 min), thinned by ``sample_fraction`` to fit the fleet and clipped to a 2048-token context.
-  (The code part is left out: its ~1500-token prompts make TTFT a matter of prefill, which no (T, k)
-  changes, and no point of any policy meets a TTFT target there);
+  and 35 min on (set B; the shipped scenario replays the first 30 min), 30 min (set C), thinned by
+  ``sample_fraction`` to fit the fleet and clipped to a 2048-token context; set D is the code part
+  (slices at 20 and 40 min, thinned to the same mean arrival rate), used by nothing before it ran. Its
+  ~1500-token prompts make TTFT mostly a matter of prefill, which no (T, k) changes;
 * the calibrated profile (sim/profiles/smollm2-135m.json, one torch thread: about 6x slower steps than
   the hand-made one), with the default SLO's latency targets scaled by ``CALIBRATED_SLO_SCALE`` so
   that they are reachable; and the hand-made 2-thread profile with SLOSpec.default();
@@ -32,6 +33,7 @@ Criterion per case, on the means over seeds (see docs/sim.md):
     .venv/bin/python benchmarks/policy_compare.py                 # held-out set A, 5 seeds (~10 min, 2 cores)
     .venv/bin/python benchmarks/policy_compare.py --set B --seed-offset 5   # held-out set B, seeds 5-9
     .venv/bin/python benchmarks/policy_compare.py --set C --seed-offset 10  # held-out set C, seeds 10-14
+    .venv/bin/python benchmarks/policy_compare.py --set D --seed-offset 15  # held-out set D (code), 15-19
     .venv/bin/python benchmarks/policy_compare.py --seeds 2 --duration 150   # smoke
     .venv/bin/python benchmarks/policy_compare.py --tuning        # the shipped scenarios it was tuned on
 
@@ -74,6 +76,8 @@ DISTORTION_TOL = 0.002
 ADAPTIVE = {
     "slo (mpc)": "slo",
     "pid-live (old default)": '{"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}',
+    # The shipped policy before its quality guard became a safety net at the budget (sets A-C ran this).
+    "mpc, default guard": '{"policy": "mpc"}',
 }
 
 
@@ -114,20 +118,27 @@ def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sam
 #: Held-out sets: (calibrated-profile slice start, hand-made slice start) in trace minutes. Set A was
 #: evaluated first (README run 1, seeds 0-4); set B (other slices, seeds 5-9) after the change run 1
 #: prompted (run 2); set C (slices at 30 min, seeds 10-14) after the bug fix run 2 led to (run 3).
-HELDOUT_SETS = {"A": (40, 50), "B": (45, 35), "C": (30, 30)}
+#: Set D (seeds 15-19) is the *code* part of the trace, which nothing had used before: evaluated after
+#: the shipped policy's quality guard became a safety net at the budget (session 7).
+HELDOUT_SETS = {"A": ("conv", 40, 50), "B": ("conv", 45, 35), "C": ("conv", 30, 30), "D": ("code", 20, 40)}
+#: Requests kept per 2 replicas (calibrated, hand-made): the code trace has 8,818 requests in its hour
+#: against the conversation trace's 19,365, so its fractions are scaled up to the same mean arrival rate.
+_SAMPLE = {"conv": (0.035, 0.055), "code": (0.035 * 19365 / 8818, 0.055 * 19365 / 8818)}
 
 
 def heldout_cases(duration_s: float, which: str = "A") -> list[Case]:
     cal, hand = str(DEFAULT_PROFILE_PATH), str(HANDMADE_2THREADS_PROFILE_PATH)
-    cal_min, hand_min = HELDOUT_SETS[which]
+    trace, cal_min, hand_min = HELDOUT_SETS[which]
+    cal_sample, hand_sample = _SAMPLE[trace]
+    csv = f"azure_llm_2023_{trace}.csv"
     out = []
     for replicas in (2, 4):
         f = replicas / 2  # load scales with the fleet
         out += [
-            Case(f"conv@{cal_min}min calibrated {replicas}r", cal, CALIBRATED_SLO_SCALE, replicas,
-                 trace_workload("conv", "azure_llm_2023_conv.csv", 60.0 * cal_min, duration_s, 0.035 * f)),
-            Case(f"conv@{hand_min}min hand-made {replicas}r", hand, 1.0, replicas,
-                 trace_workload("conv", "azure_llm_2023_conv.csv", 60.0 * hand_min, duration_s, 0.055 * f)),
+            Case(f"{trace}@{cal_min}min calibrated {replicas}r", cal, CALIBRATED_SLO_SCALE, replicas,
+                 trace_workload(trace, csv, 60.0 * cal_min, duration_s, cal_sample * f)),
+            Case(f"{trace}@{hand_min}min hand-made {replicas}r", hand, 1.0, replicas,
+                 trace_workload(trace, csv, 60.0 * hand_min, duration_s, hand_sample * f)),
         ]
     return out
 
@@ -258,7 +269,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=480.0, help="simulated seconds of arrivals per case")
     ap.add_argument("--tuning", action="store_true", help="the shipped scenarios the policy was tuned on")
     ap.add_argument("--set", dest="heldout_set", choices=sorted(HELDOUT_SETS), default="A",
-                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min; C: 30/30 min)")
+                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min; C: 30/30 min; D: code trace, 20/40 min)")
     ap.add_argument("--seed-offset", type=int, default=0, help="first seed (set B was run with 5)")
     ap.add_argument("--cases", default="", help="comma-separated substrings: keep matching cases only")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))

@@ -1,0 +1,128 @@
+"""Acceptance against the engine batch: does a row's draft depend on the other rows in its batch?
+
+The default pair's draft is an int8 *dynamically* quantized copy of the target: each quantized linear
+layer computes one activation scale over its whole input tensor, i.e. over every row of the batch, so a
+row's draft distribution moves with its neighbours while the fp32 target does not. This script measures
+both halves (JSON to stdout and ``--out``):
+
+* ``logits``: the next-token distributions of one prompt alone and batched with another prompt of the
+  same length (no padding), for the target and for the draft (max |Δ logit| and total variation);
+* ``acceptance``: the calibration sweep (``decoder.calibration.measure_acceptance``: the calibration
+  prompts and seeds, temperature 1, kl, k = 4) at each ``--batches`` engine batch size and each
+  ``--thresholds`` T: tokens per row-iteration and the acceptance rate.
+
+With ``--profile-batch B --profile-out PATH`` it also writes the shipped profile with its acceptance
+(kl, k = 4, the profile's whole T grid) re-measured at engine batch B and its latency unchanged: the
+profile to re-simulate a service that ran at mean batch ~B (``benchmarks/fidelity.py --resim ... --profile``).
+
+    .venv/bin/python benchmarks/acceptance_by_batch.py --batches 1,2,8 --thresholds 0,1   # ~6 min
+    .venv/bin/python benchmarks/acceptance_by_batch.py --batches 2 --thresholds 0 \\
+        --profile-batch 2 --profile-out results/profile_acceptance_b2.json                 # ~5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(x) for x in text.split(","))
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
+    return values
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="smollm2-135m")
+    ap.add_argument("--batches", type=_ints, default=(1, 2, 8))
+    ap.add_argument("--thresholds", type=_floats, default=(0.0, 1.0))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a serving replica's default: 1)")
+    ap.add_argument("--profile-batch", type=int, default=None)
+    ap.add_argument("--profile-out", default=None)
+    ap.add_argument("--out", default="results/acceptance_by_batch.json")
+    args = ap.parse_args()
+    if (args.profile_batch is None) != (args.profile_out is None):
+        raise SystemExit("--profile-batch and --profile-out go together")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    from decoder.calibration import CalibrationRecord, CalibrationSettings, Measurement, measure_acceptance
+    from decoder.pairs import load_pair
+    from sim.profile import DEFAULT_PROFILE_PATH, Profile
+    from sim.profile_fit import fit_profile
+
+    torch.set_num_threads(args.threads)
+    pair = load_pair(args.pair)
+    out: dict[str, Any] = {"benchmark": "acceptance_by_batch", "pair": pair.name,
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "torch_threads": torch.get_num_threads(), "command": " ".join([sys.executable, *sys.argv])}
+
+    # One prompt alone vs beside another of the same length (no padding: only the neighbour differs).
+    tok = pair.tokenizer
+    a = tok("The quick brown fox jumps over the lazy dog and then", return_tensors="pt").input_ids
+    b = tok("def fibonacci(n): return n if n < 2 else fibonacci(n-1) +", return_tensors="pt").input_ids
+    n = min(a.shape[1], b.shape[1])
+    a, b = a[:, :n], b[:, :n]
+    out["logits"] = {}
+    for name in ("target", "draft"):
+        model = getattr(pair, name)
+        with torch.no_grad():
+            alone = model(input_ids=a).logits[0, -1].float()
+            beside = model(input_ids=torch.cat([a, b])).logits[0, -1].float()
+        tv = 0.5 * (alone.softmax(-1) - beside.softmax(-1)).abs().sum()
+        out["logits"][name] = {"max_abs_logit_diff": float((alone - beside).abs().max()), "tv": float(tv)}
+
+    shipped = Profile.load(DEFAULT_PROFILE_PATH)
+    base = CalibrationRecord.model_validate({k: v for k, v in (shipped.calibration or {}).items() if k != "fit"})
+    common = {**base.settings.model_dump(), "divs": ("kl",), "acceptance_ks": (4,), "default_div": "kl",
+              "default_k": 4}
+    out["acceptance"] = []
+    for batch in args.batches:
+        settings = CalibrationSettings.from_dict({**common, "thresholds": {"kl": args.thresholds},
+                                                  "acceptance_batch_size": batch})
+        t0 = time.perf_counter()
+        for s in measure_acceptance(pair, settings):
+            out["acceptance"].append({
+                "batch": batch, "threshold": s.threshold, "row_iterations": s.row_iterations,
+                "tokens_per_row_iteration": s.emitted_tokens / s.row_iterations,
+                "acceptance_rate": s.accepted / s.drafted if s.drafted else None})
+        print(f"acceptance_by_batch: batch {batch} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    if args.profile_batch is not None:
+        settings = CalibrationSettings.from_dict({**common, "thresholds": {"kl": base.settings.thresholds["kl"]},
+                                                  "acceptance_batch_size": args.profile_batch})
+        record = base.model_copy(update={"settings": settings, "acceptance": measure_acceptance(pair, settings)})
+        prov = shipped.provenance
+        measurement = Measurement(
+            record=record, pair=prov.pair, dtype=prov.dtype, machine=prov.machine, torch_version=prov.torch_version,
+            transformers_version=prov.transformers_version, date=prov.date,
+            setup_notes=(f"The shipped profile ({DEFAULT_PROFILE_PATH.name}) with its acceptance re-measured at "
+                         f"engine batch {args.profile_batch} (kl, k = 4, its T grid, {settings.prompts} prompts x "
+                         f"{settings.max_new_tokens} tokens); latency as shipped."),
+            run_notes="Written by benchmarks/acceptance_by_batch.py.")
+        fit_profile(measurement, command=out["command"]).save(args.profile_out)
+        out["profile_out"] = args.profile_out
+
+    text = json.dumps(out, indent=1)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -272,8 +272,12 @@ def make_policy(
     """
     raw = _normalise_spec(spec)
     if raw.get("policy") == "slo":
-        # The alias expands to the shipped spec; keys given beside it (guards, gains) override.
-        raw = {**DEFAULT_POLICY_SPEC, **{k: v for k, v in raw.items() if k != "policy"}}
+        # The alias expands to the shipped spec; keys given beside it (guards, gains) override. A guards
+        # mapping overrides key by key, so setting stale_after_s keeps the shipped quality guard.
+        given = {k: v for k, v in raw.items() if k != "policy"}
+        if isinstance(given.get("guards"), Mapping):
+            given["guards"] = {**DEFAULT_POLICY_SPEC["guards"], **given["guards"]}
+        raw = {**DEFAULT_POLICY_SPEC, **given}
     name = raw.pop("policy", None)
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(

@@ -239,3 +239,14 @@ def test_quality_guard_parameters_come_from_the_spec_and_bad_ones_name_the_field
         make_policy({"policy": "static", "thresholds": 0.5, "guards": {"quality": {"alpha": 2}}}, make_slo())
     with pytest.raises(ValueError, match="guards.quality"):
         make_policy({"policy": "static", "thresholds": 0.5, "guards": {"quality": {"gain": 1}}}, make_slo())
+
+
+def test_slo_alias_guards_override_key_by_key() -> None:
+    from policies.guards import FailSafe, QualityGuard
+
+    policy = make_policy({"policy": "slo", "guards": {"stale_after_s": 2}}, make_slo())
+    assert isinstance(policy, FailSafe) and policy.stale_after_s == 2
+    guard = policy.inner
+    assert isinstance(guard, QualityGuard) and (guard.alpha, guard.margin) == (0.1, 0.0)  # the shipped guard
+    bare = make_policy({"policy": "slo", "guards": {"quality": False}}, make_slo())
+    assert not isinstance(bare.inner, QualityGuard)

@@ -1,0 +1,119 @@
+"""benchmarks/load.py's step load in the simulator: static (T, k) points and policies over seeds.
+
+One replica (max batch 8) on a profile (default: the calibrated one of the default pair), every request
+in one tier with its p95 TPOT target set by ``--tpot-ms`` (the SLO of ``benchmarks/load.py``), a step
+load low → high → low, fixed prompt and output lengths. Each configuration is a policy spec (the
+simulator's: ``slo``, ``{"policy": "static", "thresholds": 4, "draft_lengths": 2, "guards": false}``, …)
+run on ``--seeds``; the report gives the tier's attainment and distortion per configuration (mean and
+95 % t-interval over seeds) and issue 11's criterion on the means (``benchmarks.load.criterion``).
+Deterministic; seconds per configuration. Prints JSON (and writes ``--out``)::
+
+    .venv/bin/python benchmarks/load_sim.py --rates 0.2,1.0 --tpot-ms 200 --seeds 0-7
+    .venv/bin/python benchmarks/load_sim.py --rates 0.1,0.6 --tpot-ms 150 --seeds 100-109
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.load import criterion  # noqa: E402
+from benchmarks.policy_compare import ci95  # noqa: E402
+from policies.slo import SLOSpec  # noqa: E402
+from sim.inputs import build_policy  # noqa: E402
+from sim.profile import DEFAULT_PROFILE_PATH, Profile  # noqa: E402
+from sim.simulator import SimConfig, Simulator  # noqa: E402
+from sim.workload import Workload  # noqa: E402
+
+#: The static grid of the README's real runs, and the shipped policy beside its previous guard.
+DEFAULT_CONFIGS = {
+    "plain": {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "guards": False},
+    "static:2:2": {"policy": "static", "thresholds": 2.0, "draft_lengths": 2, "guards": False},
+    "static:2": {"policy": "static", "thresholds": 2.0, "draft_lengths": 4, "guards": False},
+    "static:4:2": {"policy": "static", "thresholds": 4.0, "draft_lengths": 2, "guards": False},
+    "ceiling": {"policy": "static", "thresholds": 4.0, "draft_lengths": 4, "guards": False},
+    "slo": "slo",
+    "mpc, default guard": {"policy": "mpc"},
+    "mpc, no quality guard": {"policy": "mpc", "guards": {"quality": False}},
+}
+
+
+def seeds_arg(text: str) -> list[int]:
+    if "-" in text:
+        lo, hi = (int(x) for x in text.split("-", 1))
+        return list(range(lo, hi + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def load_slo(tier: str, tpot_ms: float) -> SLOSpec:
+    """benchmarks/load.py's SLO with the tier's p95 TPOT target replaced."""
+    tiers: dict[str, Any] = {
+        "lossless": {"fixed_threshold": 0.0, "max_threshold": 0.0},
+        "standard": {"tpot_ms": 60.0, "max_mean_distortion": 0.15, "max_threshold": 1.0},
+        "economy": {"tpot_ms": 120.0, "max_mean_distortion": 0.35, "max_threshold": 4.0},
+    }
+    if tier not in tiers or tier == "lossless":
+        raise SystemExit(f"--tier must be standard or economy, got {tier!r}")
+    tiers[tier]["tpot_ms"] = tpot_ms
+    return SLOSpec.model_validate({"tiers": tiers, "default_tier": "standard"})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="0.2,1.0", help="low,high req/s (low, high, low)")
+    ap.add_argument("--phase-s", type=float, default=40.0)
+    ap.add_argument("--tier", default="economy")
+    ap.add_argument("--tpot-ms", type=float, default=200.0)
+    ap.add_argument("--prompt-tokens", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-7"), help="e.g. 0-7 or 1,5,9")
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH))
+    ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
+    ap.add_argument("--out", default="results/load_sim.json")
+    args = ap.parse_args()
+    low, high = (float(x) for x in args.rates.split(","))
+    slo = load_slo(args.tier, args.tpot_ms)
+    profile = Profile.load(args.profile)
+    configs: dict[str, Any] = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    for seed in args.seeds:
+        for name, spec in configs.items():
+            workload = Workload.from_dict({
+                "name": "step", "duration_s": 3 * args.phase_s,
+                "arrivals": {"kind": "step", "steps": [{"at_s": 0, "rate": low}, {"at_s": args.phase_s, "rate": high},
+                                                       {"at_s": 2 * args.phase_s, "rate": low}]},
+                "prompt_tokens": {"kind": "fixed", "value": args.prompt_tokens},
+                "output_tokens": {"kind": "fixed", "value": args.max_tokens},
+                "tier_mix": {args.tier: 1.0},
+            })
+            policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, profile)
+            result = Simulator(SimConfig(seed=seed, replicas=1, max_batch=8, k=4), profile, slo, workload, policy).run()
+            tier = result.summary["tiers"][args.tier]
+            rows[name].append((float(tier["slo_attainment"]), float(tier.get("mean_distortion") or 0.0)))
+    summary = []
+    for name, values in rows.items():
+        attainment, attainment_ci = ci95([a for a, _ in values])
+        distortion, distortion_ci = ci95([d for _, d in values])
+        spec = configs[name]
+        static = (isinstance(spec, dict) and spec.get("policy") == "static") or str(spec).startswith("static")
+        summary.append({"name": name, "spec": {"policy": "static" if static else "adaptive"}, "policy_spec": spec,
+                        "slo_attainment": attainment, "attainment_ci95": attainment_ci,
+                        "mean_distortion_per_token": distortion, "distortion_ci95": distortion_ci})
+    out = {"benchmark": "load_sim", "profile": Path(args.profile).name, "tier": args.tier, "tpot_ms": args.tpot_ms,
+           "rates_rps": [low, high, low], "phase_s": args.phase_s, "seeds": args.seeds,
+           "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
+           "criterion": criterion(summary, slo.tiers[args.tier].model_dump())}
+    text = json.dumps(out, indent=1)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -420,6 +420,11 @@ class ModelPredictivePolicy:
         self._arrivals_sum = self._time_sum = self._tokens_sum = self._completions_sum = 0.0
         self.replicas_wanted: int | None = None  # the count asked for last (Decision.replicas)
         self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
+        # Evidence for the acceptance and distortion corrections not yet used, per tier: [measured sum,
+        # modelled sum, weight] (row-iterations / output tokens), pooled over steady windows until it
+        # holds enough (a slow replica runs a few row-iterations and a few dozen tokens a second).
+        self._pending_tokens = np.zeros((n, 3))
+        self._pending_distortion = np.zeros((n, 3))
         self.measured_attainment = {name: math.nan for name in self.tier_names}
         self.short = {name: False for name in self.tier_names}
         self.current: dict[str, tuple[float, int]] = {}
@@ -503,16 +508,22 @@ class ModelPredictivePolicy:
             k = window.draft_length if window.draft_length is not None else self.current[name][1]
             if k not in self._curves or not steady.get(name, False):
                 continue
-            if k > 0 and window.sequence_iterations >= 20:
+            if k > 0 and window.sequence_iterations > 0:
                 grid_t, grid_n, grid_d = self._curves[k]
                 modelled_accepted = float(np.interp(t, grid_t, grid_n)) - 1.0
                 if modelled_accepted > 0.05:  # correct accepted drafts per step, measured / modelled
-                    ratio = min(max((window.tokens_per_iteration - 1.0) / modelled_accepted, 0.3), 3.0)
-                    self.tokens_correction[i] = _ewma(float(self.tokens_correction[i]), ratio, a)
+                    pooled = self._pooled_ratio(self._pending_tokens[i], window.tokens_per_iteration - 1.0,
+                                                modelled_accepted, window.sequence_iterations, 20)
+                    if pooled is not None:
+                        pooled = min(max(pooled, 0.3), 3.0)
+                        self.tokens_correction[i] = _ewma(float(self.tokens_correction[i]), pooled, a)
                 modelled_d = float(np.interp(t, grid_t, grid_d))
-                if modelled_d > 1e-3 and window.output_tokens >= 200:
-                    ratio = min(max(window.mean_distortion / modelled_d, 0.25), 4.0)
-                    self.distortion_correction[i] = _ewma(float(self.distortion_correction[i]), ratio, a)
+                if modelled_d > 1e-3 and window.output_tokens > 0:
+                    pooled = self._pooled_ratio(self._pending_distortion[i], window.mean_distortion, modelled_d,
+                                                window.output_tokens, 200)
+                    if pooled is not None:
+                        pooled = min(max(pooled, 0.25), 4.0)
+                        self.distortion_correction[i] = _ewma(float(self.distortion_correction[i]), pooled, a)
             prediction = self.last_prediction.get(name)
             # Only windows without a queue teach the prefill: under a backlog (a burst while replicas
             # start) the residual is mostly queueing the wait model missed, and a prefill learned from
@@ -521,6 +532,21 @@ class ModelPredictivePolicy:
                     and telemetry.queue_depth == 0 and math.isfinite(prediction["wait_ms"])):
                 residual = window.ttft.p50_ms - prediction["wait_ms"] - prediction["step_ms"]
                 self.prefill_ms[name] = _ewma(self.prefill_ms[name], max(residual, 0.0), a)
+
+    @staticmethod
+    def _pooled_ratio(pending: np.ndarray, measured: float, modelled: float, weight: float,
+                      enough: float) -> float | None:
+        """measured / modelled over this window and the pending ones once they weigh ``enough`` (then the
+        pending evidence is spent), else None and the window waits in ``pending`` ([measured sum,
+        modelled sum, weight], updated in place). A window that is enough alone gives its own ratio."""
+        if pending[2] == 0.0 and weight >= enough:
+            return measured / modelled
+        pending += (measured * weight, modelled * weight, weight)
+        if pending[2] < enough:
+            return None
+        ratio = float(pending[0] / pending[1])
+        pending[:] = 0.0
+        return ratio
 
     def _update_margin(self, name: str, slo_met: int, completions: int) -> None:
         """The outer loop: pool completions until ``min_samples``, then move the tier's margin."""

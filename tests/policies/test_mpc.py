@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from policies.decision import Decision
@@ -66,6 +67,39 @@ def test_lossless_tier_runs_plain_decoding_when_speculation_does_not_pay() -> No
     assert decision.thresholds["lossless"] == 0.0
     cheap = ModelPredictivePolicy(slo, toy_model())
     assert cheap.decide(load(2, tiers=tiers)).draft_lengths["lossless"] > 0
+
+
+def test_corrections_pool_windows_too_small_to_count_alone() -> None:
+    """One slow replica: each window holds 30 tokens over ~16 row-iterations (the thresholds are 200 and
+    20). The replica measures half the modelled distortion and accepted drafts; both corrections learn
+    it from the pooled windows, and a window that is enough alone counts at once."""
+    slo = make_slo()
+    model = toy_model()
+    grid_t, grid_n, grid_d = model.curve(2)
+    modelled_d = float(np.interp(1.0, grid_t, grid_d))
+    modelled_accepted = float(np.interp(1.0, grid_t, grid_n)) - 1.0
+
+    def slow_window(tokens: int) -> dict[str, object]:
+        return {"economy": make_tier_window(
+            threshold=1.0, draft_length=2, completions=1, slo_met=1, output_tokens=tokens,
+            sequence_iterations=round(tokens / (1.0 + 0.5 * modelled_accepted)), mean_distortion=0.5 * modelled_d)}
+
+    policy = ModelPredictivePolicy(slo, model)
+    economy = policy.tier_names.index("economy")
+    distortion, accepted = [], []
+    for tick in range(22):
+        policy.decide(load(2, time_s=float(tick + 1), tiers=slow_window(30)))
+        distortion.append(float(policy.distortion_correction[economy]))
+        accepted.append(float(policy.tokens_correction[economy]))
+    # The first window only sets the (T, k) that later windows must hold; then 30 tokens a window: the
+    # 7th steady window (the 8th) brings the pool past 200.
+    assert distortion[:7] == [1.0] * 7 and distortion[7] < 1.0, distortion
+    assert distortion[-1] < 0.8, distortion  # the pooled windows teach it (the measured ratio is 0.5)
+    assert accepted[0] == 1.0 and accepted[-1] < 0.8, accepted
+    alone = ModelPredictivePolicy(slo, model)
+    for tick in range(2):  # 400 tokens in one window: it counts by itself (from the 2nd, steady, window)
+        alone.decide(load(2, time_s=float(tick + 1), tiers=slow_window(400)))
+    assert float(alone.distortion_correction[economy]) < 1.0
 
 
 def test_margin_rises_on_missed_attainment_and_decays_slowly_when_met() -> None:

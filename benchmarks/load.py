@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sse_client import timed_stream  # noqa: E402
+from policies.slo import TierOutcome, TierSLO, meets_objective, within_budget  # noqa: E402
 from sim.prompts import PROMPTS  # noqa: E402  (one prompt set for the demo and the load test)
 
 
@@ -192,24 +193,26 @@ def criterion(configs: list[dict[str, Any]], tier: dict[str, Any]) -> dict[str, 
     where none does, its attainment must be within 1 point of the best static point within budget, and
     the policy within budget itself.
     """
-    target = tier.get("percentile", 95.0) / 100.0
-    budget = tier.get("max_mean_distortion")
+    slo_tier = TierSLO.model_validate(tier)
 
     def dist(c: dict[str, Any]) -> float:
         return c["mean_distortion_per_token"] or 0.0
 
+    def outcome(c: dict[str, Any]) -> TierOutcome:
+        return TierOutcome(attainment=c.get("slo_attainment") or 0.0, mean_distortion=dist(c))
+
     def within(c: dict[str, Any]) -> bool:
-        return budget is None or dist(c) <= budget + 1e-9
+        return within_budget(slo_tier, outcome(c))
 
     def meets(c: dict[str, Any]) -> bool:
-        return within(c) and (c.get("slo_attainment") or 0.0) >= target - 1e-9
+        return meets_objective(slo_tier, outcome(c))
 
     statics = [c for c in configs if (c["spec"] or {}).get("policy") == "static"]
     adaptive = [c for c in configs if c not in statics]
     if not statics or not adaptive or any(c.get("slo_attainment") is None for c in configs):
         return None
     meeting = [c for c in statics if meets(c)]
-    out: dict[str, Any] = {"attainment_target": target, "budget": budget,
+    out: dict[str, Any] = {"attainment_target": slo_tier.attainment_target, "budget": slo_tier.max_mean_distortion,
                            "static_points_meeting": [c["name"] for c in meeting]}
     if meeting:
         ref = min(meeting, key=dist)

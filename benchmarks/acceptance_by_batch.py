@@ -11,6 +11,12 @@ both halves (JSON to stdout and ``--out``):
   prompts and seeds, temperature 1, kl, k = 4) at each ``--batches`` engine batch size and each
   ``--thresholds`` T: tokens per row-iteration and the acceptance rate.
 
+With ``--batch-profile-out PATH`` it fits one odds multiplier per measured batch size, relative to the
+batch the shipped profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
+``batch_fit`` in the JSON, with the per-T fit beside it as a check of the one-multiplier model) and
+writes the shipped profile with that ``batch_acceptance`` section. ``--refit JSON`` does the fit from an
+earlier run's measurements, without the models.
+
 With ``--profile-batch B --profile-out PATH`` it also writes the shipped profile with its acceptance
 (kl, k = 4, the profile's whole T grid) re-measured at engine batch B and its latency unchanged: the
 profile to re-simulate a service that ran at mean batch ~B (``benchmarks/fidelity.py --resim ... --profile``).
@@ -50,12 +56,56 @@ def main() -> int:
     ap.add_argument("--batches", type=_ints, default=(1, 2, 8))
     ap.add_argument("--thresholds", type=_floats, default=(0.0, 1.0))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a serving replica's default: 1)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="calibration prompts per (batch, T) (default: the shipped calibration's; at most 16)")
     ap.add_argument("--profile-batch", type=int, default=None)
     ap.add_argument("--profile-out", default=None)
+    ap.add_argument("--batch-profile-out", default=None,
+                    help="write the shipped profile with batch_acceptance fitted to these measurements")
+    ap.add_argument("--refit", default=None, help="an earlier run's JSON: fit from its measurements (no models)")
     ap.add_argument("--out", default="results/acceptance_by_batch.json")
     args = ap.parse_args()
     if (args.profile_batch is None) != (args.profile_out is None):
         raise SystemExit("--profile-batch and --profile-out go together")
+    if args.refit is not None and args.profile_batch is not None:
+        raise SystemExit("--refit measures nothing: it cannot go with --profile-batch")
+    command = " ".join([sys.executable, *sys.argv])
+    if args.refit is not None:
+        try:
+            out = json.loads(Path(args.refit).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--refit {args.refit!r}: {exc}") from None
+        out["measured_by"] = out.get("command")
+        out["command"] = command
+    else:
+        out = _measure(args, command)
+    if args.batch_profile_out is not None:
+        out["batch_fit"] = _write_batch_profile(out["acceptance"], args.batch_profile_out, command)
+
+    text = json.dumps(out, indent=1)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: str) -> dict[str, Any]:
+    from sim.profile import DEFAULT_PROFILE_PATH, Profile
+    from sim.profile_fit import BatchAcceptanceSample, fit_batch_acceptance
+
+    shipped = Profile.load(DEFAULT_PROFILE_PATH)
+    reference = int((shipped.calibration or {}).get("settings", {}).get("acceptance_batch_size", 8))
+    samples = [BatchAcceptanceSample(batch=int(a["batch"]), threshold=float(a["threshold"]),
+                                     tokens_per_row_iteration=float(a["tokens_per_row_iteration"]),
+                                     row_iterations=int(a["row_iterations"])) for a in acceptance]
+    fitted, per_threshold = fit_batch_acceptance(shipped, samples, reference, source=command)
+    shipped.model_copy(update={"batch_acceptance": fitted}).save(path)
+    return {"reference_batch": reference, "odds_scale": fitted.odds_scale,
+            "odds_scale_per_threshold": {b: {str(t): v for t, v in by_t.items()} for b, by_t in per_threshold.items()},
+            "profile_out": path}
+
+
+def _measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
@@ -69,7 +119,7 @@ def main() -> int:
     pair = load_pair(args.pair)
     out: dict[str, Any] = {"benchmark": "acceptance_by_batch", "pair": pair.name,
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                           "torch_threads": torch.get_num_threads(), "command": " ".join([sys.executable, *sys.argv])}
+                           "torch_threads": torch.get_num_threads(), "command": command}
 
     # One prompt alone vs beside another of the same length (no padding: only the neighbour differs).
     tok = pair.tokenizer
@@ -90,6 +140,8 @@ def main() -> int:
     base = CalibrationRecord.model_validate({k: v for k, v in (shipped.calibration or {}).items() if k != "fit"})
     common = {**base.settings.model_dump(), "divs": ("kl",), "acceptance_ks": (4,), "default_div": "kl",
               "default_k": 4}
+    if args.prompts is not None:
+        common["prompts"] = args.prompts
     out["acceptance"] = []
     for batch in args.batches:
         settings = CalibrationSettings.from_dict({**common, "thresholds": {"kl": args.thresholds},
@@ -99,7 +151,8 @@ def main() -> int:
             out["acceptance"].append({
                 "batch": batch, "threshold": s.threshold, "row_iterations": s.row_iterations,
                 "tokens_per_row_iteration": s.emitted_tokens / s.row_iterations,
-                "acceptance_rate": s.accepted / s.drafted if s.drafted else None})
+                "acceptance_rate": s.accepted / s.drafted if s.drafted else None,
+                "request_accepted": s.request_accepted, "request_drafted": s.request_drafted})
         print(f"acceptance_by_batch: batch {batch} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     if args.profile_batch is not None:
@@ -116,12 +169,7 @@ def main() -> int:
             run_notes="Written by benchmarks/acceptance_by_batch.py.")
         fit_profile(measurement, command=out["command"]).save(args.profile_out)
         out["profile_out"] = args.profile_out
-
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

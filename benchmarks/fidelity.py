@@ -316,7 +316,7 @@ def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, p
     ok = [r for r in real_records if r.get("fsd")]
     mean_t = float(np.mean([r["fsd"]["threshold"] for r in ok])) if ok else 0.0
     real_tokens = d["output_tokens"] / d["row_iterations"]
-    predicted_tokens = profile.expected_tokens_per_iter(args.div, mean_t, k)
+    predicted_tokens = profile.expected_tokens_per_iter(args.div, mean_t, k, mean_batch)
     prefill_calls = max(1, sum(1 for _ in ok))  # upper bound on admissions: one per request
     return {
         "iterations": d["iterations"],
@@ -645,7 +645,7 @@ def _against_profile(parts: dict[str, Any] | None, profile: Any, real_records: l
         return parts
     lat = profile.latency
     step = float(lat.iteration_ms(parts["mean_batch"], args.k))
-    tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k)
+    tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k, parts["mean_batch"])
     ok = [r for r in real_records if r.get("fsd")]
     prefill = lat.prefill_fixed_ms * max(1, len(ok)) + lat.prefill_ms_per_token * sum(r.get("prompt_tokens", 0) for r in ok)
     out = {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),

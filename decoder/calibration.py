@@ -267,6 +267,10 @@ class AcceptanceSample(BaseModel):
     distorted_tokens: int | None = Field(
         None, description="emitted tokens that carry distortion (None: measured before this was counted)"
     )
+    request_accepted: list[int] | None = Field(
+        None, description="accepted drafts per request, in prompt order (None: measured before this was recorded)"
+    )
+    request_drafted: list[int] | None = Field(None, description="drafted tokens per request, aligned")
 
     @property
     def raw_position_accept(self) -> list[float | None]:
@@ -456,10 +460,13 @@ def measure_acceptance(
                 engine = _engine(pair, settings, div, k, settings.acceptance_batch_size)
                 counts = {t: _Counts(k) for t in grid}
                 threshold_of: dict[str, float] = {}
+                # Per request (accepted, drafted): the spread across requests (sim.profile_fit.fit_request_acceptance).
+                per_request: dict[float, dict[str, list[int]]] = {t: {} for t in grid}
                 for p, ids in enumerate(prompts):
                     for t in grid:
                         rid = f"{div}/k{k}/T{t}/p{p}"
                         threshold_of[rid] = t
+                        per_request[t][rid] = [0, 0]
                         seed = settings.seed * 1_000_003 + p  # common random numbers across T, k, div
                         engine.add_request(rid, ids, _params(settings, settings.max_new_tokens, seed, False), t)
                 while engine.has_unfinished():
@@ -467,6 +474,9 @@ def measure_acceptance(
                     emitted = 0
                     for row in step.rows:
                         counts[threshold_of[row.request_id]].add(row, step.draft_length)
+                        tally = per_request[threshold_of[row.request_id]][row.request_id]
+                        tally[0] += row.accepted
+                        tally[1] += row.drafted
                         emitted += len(row.new_token_ids)
                         if row.finished:
                             engine.release(row.request_id)
@@ -491,6 +501,8 @@ def measure_acceptance(
                             accepted=c.accepted,
                             fuzzy_accepted=c.fuzzy,
                             distorted_tokens=c.distorted,
+                            request_accepted=[a for a, _ in per_request[t].values()],
+                            request_drafted=[d for _, d in per_request[t].values()],
                         )
                     )
     finally:

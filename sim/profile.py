@@ -245,6 +245,65 @@ class RequestAcceptance(BaseModel):
         return np.asarray(a / (1.0 - a), dtype=float)
 
 
+class BatchAcceptance(BaseModel):
+    """Acceptance against the engine batch: the profile's acceptance is the one measured at
+    ``reference_batch`` rows; at a batch of B rows every position's odds are multiplied by ``scale(B)``.
+
+    Why it exists: an int8 *dynamic* draft (the default pair's) quantizes activations with one scale
+    over the whole input tensor, i.e. over every row of the batch, so a row's draft distribution moves
+    with its neighbours and agrees least with the target when the batch is full (docs/calibration.md,
+    "Acceptance depends on the engine batch"). A draft with per-row quantization has no entry here.
+
+    ``odds_scale`` maps measured batch sizes to odds multipliers (1 at the reference batch); between
+    them the log-multiplier is linear in log B, beyond them it stays at the nearest measured one. One
+    multiplier per batch, for every position and T: the model ``benchmarks/acceptance_by_batch.py``
+    fits (it reports the per-T fit beside it so the assumption can be checked).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reference_batch: int = Field(..., ge=1, description="engine batch the acceptance table was measured at")
+    odds_scale: dict[int, float] = Field(..., min_length=1, description="batch size -> odds multiplier")
+    source: str = Field("", description="how the multipliers were measured (the command)")
+
+    @field_validator("odds_scale")
+    @classmethod
+    def _positive(cls, v: dict[int, float]) -> dict[int, float]:
+        for batch, scale in v.items():
+            if batch < 1:
+                raise ValueError(f"batch sizes must be >= 1, got {batch}")
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"odds multipliers must be finite and > 0, got {scale} at batch {batch}")
+        return dict(sorted(v.items()))
+
+    @model_validator(mode="after")
+    def _reference_is_one(self) -> BatchAcceptance:
+        at_ref = self.odds_scale.get(self.reference_batch)
+        if at_ref is None or abs(at_ref - 1.0) > 1e-9:
+            raise ValueError(
+                f"odds_scale must hold 1.0 at the reference batch {self.reference_batch}, got {at_ref}"
+            )
+        return self
+
+    def scale(self, batch: float) -> float:
+        """The odds multiplier at an engine batch of ``batch`` rows (a mean batch may be fractional)."""
+        if not (math.isfinite(batch) and batch >= 1):
+            raise ValueError(f"batch must be finite and >= 1, got {batch}")
+        return float(self._log_interp(np.array([float(batch)]))[0])
+
+    def scales(self, max_batch: int) -> np.ndarray:
+        """``[max_batch + 1]`` multipliers indexed by batch size (index 0 unused, set to 1)."""
+        out = np.ones(max_batch + 1)
+        if max_batch >= 1:
+            out[1:] = self._log_interp(np.arange(1, max_batch + 1, dtype=float))
+        return out
+
+    def _log_interp(self, batches: np.ndarray) -> np.ndarray:
+        known = np.log(np.array(list(self.odds_scale), dtype=float))
+        log_scale = np.log(np.array(list(self.odds_scale.values()), dtype=float))
+        return np.asarray(np.exp(np.interp(np.log(batches), known, log_scale)), dtype=float)
+
+
 def shifted_acceptance(position_accept: np.ndarray, odds_scale: np.ndarray | float) -> np.ndarray:
     """``expit(logit(α) + log(odds_scale))`` elementwise, exact at α ∈ {0, 1} (broadcasts)."""
     scaled = position_accept * odds_scale
@@ -278,6 +337,10 @@ class Profile(BaseModel):
     request_acceptance: RequestAcceptance | None = Field(
         None,
         description="per-request variation in acceptance (None: every request at the profile's acceptance)",
+    )
+    batch_acceptance: BatchAcceptance | None = Field(
+        None,
+        description="acceptance against the engine batch (None: the same at every batch size)",
     )
     calibration: dict[str, Any] | None = Field(
         None,
@@ -393,15 +456,19 @@ class Profile(BaseModel):
             )
         return grid
 
-    def position_accept(self, div: str, threshold: float, k: int) -> np.ndarray:
-        """Per-position conditional acceptance at T = ``threshold`` (linear in T between grid points)."""
+    def position_accept(self, div: str, threshold: float, k: int, batch: float | None = None) -> np.ndarray:
+        """Per-position conditional acceptance at T = ``threshold`` (linear in T between grid points); at
+        an engine batch of ``batch`` rows when given and the profile has :class:`BatchAcceptance`."""
         _check_threshold(threshold)
         if k == 0:
             return np.zeros(0)
         grid = self._grid(div, k)
-        return np.array(
+        accept = np.array(
             [np.interp(threshold, grid.thresholds, grid.position_accept[:, i]) for i in range(k)]
         )
+        if batch is not None and self.batch_acceptance is not None:
+            accept = shifted_acceptance(accept, self.batch_acceptance.scale(batch))
+        return accept
 
     def request_odds_centring(self, div: str, threshold: float, k: int) -> float:
         """:meth:`RequestAcceptance.centring` at (div, T, k), cached (1.0 without per-request variation)."""
@@ -420,9 +487,9 @@ class Profile(BaseModel):
     def _centring_cache(self) -> dict[tuple[str, float, int, float], float]:
         return {}
 
-    def survival(self, div: str, threshold: float, k: int) -> np.ndarray:
+    def survival(self, div: str, threshold: float, k: int, batch: float | None = None) -> np.ndarray:
         """``S[i]`` = P(at least i+1 drafts accepted) = prod_{j<=i} position_accept[j]; length k."""
-        return np.cumprod(self.position_accept(div, threshold, k))
+        return np.cumprod(self.position_accept(div, threshold, k, batch))
 
     def mean_distortion(self, div: str, threshold: float, k: int) -> float:
         _check_threshold(threshold)
@@ -448,19 +515,19 @@ class Profile(BaseModel):
             return (1.0, mean)
         return (p, mean / p)
 
-    def expected_tokens_per_iter(self, div: str, threshold: float, k: int) -> float:
-        """E[accepted + 1] per sequence per iteration."""
-        return 1.0 + float(self.survival(div, threshold, k).sum())
+    def expected_tokens_per_iter(self, div: str, threshold: float, k: int, batch: float | None = None) -> float:
+        """E[accepted + 1] per sequence per iteration (at an engine batch of ``batch`` rows when given)."""
+        return 1.0 + float(self.survival(div, threshold, k, batch).sum())
 
-    def expected_acceptance_rate(self, div: str, threshold: float, k: int) -> float:
+    def expected_acceptance_rate(self, div: str, threshold: float, k: int, batch: float | None = None) -> float:
         """E[accepted] / k (the 'acceptance rate' the decoder reports); NaN at k = 0 (nothing drafted)."""
         if k == 0:
             return math.nan
-        return float(self.survival(div, threshold, k).sum()) / k
+        return float(self.survival(div, threshold, k, batch).sum()) / k
 
     def tpot_ms(self, div: str, threshold: float, k: int, batch: int) -> float:
         """Mean time per output token of one sequence in a steady batch of ``batch`` (no prefills)."""
-        return float(self.latency.iteration_ms(batch, k)) / self.expected_tokens_per_iter(div, threshold, k)
+        return float(self.latency.iteration_ms(batch, k)) / self.expected_tokens_per_iter(div, threshold, k, batch)
 
     def to_speed_curve(self, div: str | None = None, k: int | None = None) -> SpeedCurve:
         """The policies package's plain-data ``SpeedCurve`` (tokens/iteration and distortion per T)."""

@@ -32,7 +32,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from sim.profile import AcceptancePoint, LatencyModel, Profile, Provenance, RequestAcceptance
+from sim.profile import AcceptancePoint, BatchAcceptance, LatencyModel, Profile, Provenance, RequestAcceptance
 
 # ---------------------------------------------------------------------------------------------------
 # What a measurement provides (decoder.calibration's types satisfy these; no import of the decoder)
@@ -338,9 +338,12 @@ def headline(profile: Profile) -> dict[str, Any]:
     }
 
 
-def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str = "") -> RequestAcceptance | None:
+def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str = "",
+                           groups: ArrayLike | None = None) -> RequestAcceptance | None:
     """κ of :class:`~sim.profile.RequestAcceptance` from per-request counts (drafted tokens and how many
-    were accepted), at one operating point; None when the requests vary no more than sampling noise.
+    were accepted), at one operating point — or at several, labelled by ``groups`` (e.g. one label per
+    (batch, T)): then the spread is the pooled within-group variance, each group about its own mean;
+    None when the requests vary no more than sampling noise.
 
     The model shifts every request's log-odds by ``logit(a)``, ``a ~ Beta(κ/2, κ/2)``, whose variance is
     ``2·ψ₁(κ/2)`` (trigamma). Each request's empirical log-odds (Haldane's +½ correction) has that
@@ -363,7 +366,19 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
     log_odds = np.log((acc + 0.5) / (drf - acc + 0.5))
     rates = (acc + 0.5) / (drf + 1.0)
     sampling = float(np.mean(1.0 / (drf * rates * (1.0 - rates))))
-    excess = float(np.var(log_odds, ddof=1)) - sampling
+    if groups is None:
+        variance = float(np.var(log_odds, ddof=1))
+    else:
+        labels = np.asarray(groups)
+        if labels.shape != acc.shape:
+            raise ValueError(f"groups must label every request, got shape {labels.shape} for {acc.shape}")
+        _, index = np.unique(labels, return_inverse=True)
+        n_groups = int(index.max()) + 1
+        if acc.size - n_groups < 2:
+            raise ValueError(f"need at least 2 more requests than groups, got {acc.size} in {n_groups} groups")
+        means = np.bincount(index, weights=log_odds) / np.bincount(index)
+        variance = float(np.sum((log_odds - means[index]) ** 2) / (acc.size - n_groups))
+    excess = variance - sampling
     if excess <= 0.0:
         return None
 
@@ -382,3 +397,72 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
                 high = mid
         kappa = math.sqrt(low * high)
     return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {acc.size} requests")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchAcceptanceSample:
+    """Tokens per row-iteration measured at one (engine batch, T) point (``benchmarks/acceptance_by_batch.py``)."""
+
+    batch: int
+    threshold: float
+    tokens_per_row_iteration: float
+    row_iterations: int
+
+
+def _odds_scale_for(profile: Profile, div: str, k: int, samples: Sequence[BatchAcceptanceSample]) -> float:
+    """The one odds multiplier of the profile's acceptance that best reproduces ``samples``' tokens per
+    row-iteration (least squares weighted by row-iterations, over log-multipliers in [-8, 8])."""
+    from scipy.optimize import minimize_scalar
+
+    from sim.profile import shifted_acceptance
+
+    accepts = [profile.position_accept(div, s.threshold, k) for s in samples]
+    measured = np.array([s.tokens_per_row_iteration for s in samples])
+    weights = np.array([s.row_iterations for s in samples], dtype=float)
+
+    def loss(log_scale: float) -> float:
+        scale = math.exp(log_scale)
+        predicted = np.array([1.0 + np.cumprod(shifted_acceptance(a, scale)).sum() for a in accepts])
+        return float(np.sum(weights * (predicted - measured) ** 2))
+
+    result = minimize_scalar(loss, bounds=(-8.0, 8.0), method="bounded", options={"xatol": 1e-6})
+    return math.exp(float(result.x))
+
+
+def fit_batch_acceptance(
+    profile: Profile,
+    samples: Sequence[BatchAcceptanceSample],
+    reference_batch: int,
+    div: str | None = None,
+    k: int | None = None,
+    source: str = "",
+) -> tuple[BatchAcceptance, dict[int, dict[float, float]]]:
+    """Odds multipliers per engine batch, relative to ``reference_batch`` (the batch the profile's
+    acceptance table was measured at): :class:`~sim.profile.BatchAcceptance`.
+
+    Each batch's multiplier is fitted over all its thresholds at once, then divided by the reference
+    batch's multiplier fitted the same way (so the measurement's own level at the reference batch, which
+    differs from the calibration's by sampling, cancels). Returns it with the same fit per (batch, T) —
+    the check on the model's assumption that one multiplier serves every T.
+    """
+    div = div or profile.default_div
+    k = k or profile.default_k
+    by_batch: dict[int, list[BatchAcceptanceSample]] = {}
+    for s in samples:
+        if s.batch < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {s.batch}")
+        if s.row_iterations < 1:
+            raise ValueError(f"row_iterations must be >= 1, got {s.row_iterations} at batch {s.batch}")
+        by_batch.setdefault(s.batch, []).append(s)
+    if reference_batch not in by_batch:
+        raise ValueError(f"no sample at the reference batch {reference_batch}; measured: {sorted(by_batch)}")
+    ref = _odds_scale_for(profile, div, k, by_batch[reference_batch])
+    ref_by_t = {s.threshold: _odds_scale_for(profile, div, k, [s]) for s in by_batch[reference_batch]}
+    scales = {b: (1.0 if b == reference_batch else _odds_scale_for(profile, div, k, group) / ref)
+              for b, group in sorted(by_batch.items())}
+    per_threshold = {
+        b: {s.threshold: _odds_scale_for(profile, div, k, [s]) / ref_by_t[s.threshold]
+            for s in group if s.threshold in ref_by_t}
+        for b, group in sorted(by_batch.items())
+    }
+    return BatchAcceptance(reference_batch=reference_batch, odds_scale=scales, source=source), per_threshold

@@ -63,6 +63,10 @@ class DecodeSettings:
     # Per-request variation (Profile.request_acceptance): odds multiplier per tier that keeps the
     # tier's step-pooled tokens per step at the profile's (RequestAcceptance.centring).
     odds_centring_by_tier: np.ndarray  # [n_tiers]
+    # Acceptance against the engine batch (Profile.batch_acceptance): odds multiplier per batch size
+    # ([max_batch + 1], index = rows in the batch); None: acceptance does not depend on the batch.
+    # A segment draws at the batch it starts with (rows finishing inside it do not raise the rest's).
+    batch_odds: np.ndarray | None
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     coeffs_by_tier: list[tuple[float, float]]  # step ms = fixed + per_seq · B with every row at the tier's k
     # Distortion as events (None: every token carries its tier's mean): a token carries
@@ -97,9 +101,10 @@ class _BatchTables:
     row_k: np.ndarray  # [B] int
     row_k_float: np.ndarray  # [B]
     uniform_k: bool  # every row at one k
-    survival: np.ndarray  # [B, k_pad]
-    accept: np.ndarray  # [B, k_pad]
-    odds_centring: np.ndarray  # [B]
+    survival: np.ndarray  # [B, k_pad] at this batch size
+    survival_asc0: np.ndarray  # [k_pad] row 0's survival ascending (the one-tier search)
+    accept: np.ndarray  # [B, k_pad] at the reference batch (per-request draws shift it by odds_centring)
+    odds_centring: np.ndarray  # [B] per-request centring times the batch's odds multiplier
     distortion_per_token: np.ndarray  # [B]
     event_p: np.ndarray | None  # [B]
     event_size: np.ndarray | None  # [B]
@@ -109,15 +114,26 @@ class _BatchTables:
     def build(cls, s: DecodeSettings, tiers: np.ndarray) -> _BatchTables:
         n_t = s.tier_weights.shape[0]
         row_k = s.k_by_tier.take(tiers)
+        accept = s.accept_by_tier.take(tiers, axis=0)
+        odds_centring = s.odds_centring_by_tier.take(tiers)
+        if s.batch_odds is None:
+            survival = s.survival_by_tier.take(tiers, axis=0)
+            survival_asc0 = s.survival_asc_by_tier[int(tiers[0])]
+        else:
+            scale = float(s.batch_odds[min(int(tiers.size), s.batch_odds.size - 1)])
+            survival = np.multiply.accumulate(shifted_acceptance(accept, scale), axis=1)
+            survival_asc0 = np.ascontiguousarray(survival[0, ::-1])
+            odds_centring = odds_centring * scale
         return cls(
             weights=s.tier_weights.take(tiers, axis=0),
             onehot=s.tier_weights[:, _B : _B + n_t].take(tiers, axis=0),
             row_k=row_k,
             row_k_float=row_k.astype(float),
             uniform_k=int(row_k.min()) == int(row_k.max()),
-            survival=s.survival_by_tier.take(tiers, axis=0),
-            accept=s.accept_by_tier.take(tiers, axis=0),
-            odds_centring=s.odds_centring_by_tier.take(tiers),
+            survival=survival,
+            survival_asc0=survival_asc0,
+            accept=accept,
+            odds_centring=odds_centring,
             distortion_per_token=s.distortion_by_tier.take(tiers),
             event_p=None if s.event_p_by_tier is None else s.event_p_by_tier.take(tiers),
             event_size=None if s.event_size_by_tier is None else s.event_size_by_tier.take(tiers),
@@ -232,7 +248,6 @@ class Replica:
         # draw of the accepted count from one uniform, as k − #{i : S_i <= u}, a binary search in S
         # reversed (ascending). Tokens emitted = accepted + 1.
         u = self.rng.random((h, b))
-        survival_asc = settings.survival_asc_by_tier
         k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
         n_iter = h + off
@@ -245,7 +260,7 @@ class Replica:
         rows = settings.batch_tables(tier_list, tiers)
         odds = table.acceptance_odds
         if odds is None and one_tier:
-            np.subtract(k_plus_1, survival_asc[t0].searchsorted(u, side="right"), out=dec)
+            np.subtract(k_plus_1, rows.survival_asc0.searchsorted(u, side="right"), out=dec)
         else:
             # Each row's own survival S_r (its tier's; with per-request acceptance, the tier's
             # acceptance shifted by the request's log-odds): tokens = 1 + #{i : u < S_r,i}, the same

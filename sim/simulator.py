@@ -130,6 +130,7 @@ class Simulator:
             survival_asc_by_tier=np.zeros((n_t, 1)),
             accept_by_tier=np.zeros((n_t, 1)),
             odds_centring_by_tier=np.ones(n_t),
+            batch_odds=None if profile.batch_acceptance is None else profile.batch_acceptance.scales(config.max_batch),
             tier_weights=np.zeros((n_t, WindowBins.BASE + 3 * n_t)),
             coeffs_by_tier=[],
         )

@@ -281,6 +281,10 @@ def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
     for s in record.acceptance:
         assert sum(s.accepted_histogram) == s.row_iterations
         assert s.fuzzy_accepted <= s.accepted <= s.drafted
+        # Per request (one per prompt): the pooled counts split without loss.
+        assert s.request_accepted is not None and s.request_drafted is not None
+        assert len(s.request_accepted) == len(s.request_drafted) == record.settings.prompts
+        assert sum(s.request_accepted) == s.accepted and sum(s.request_drafted) == s.drafted
         # Every distortion event carries TV in (0, 1]: events bound the sum from both sides.
         assert s.distorted_tokens is not None and s.distorted_tokens <= s.emitted_tokens
         assert s.distortion_sum <= s.distorted_tokens + 1e-6 and (s.distorted_tokens > 0) == (s.distortion_sum > 0)

@@ -14,7 +14,9 @@ both halves (JSON to stdout and ``--out``):
 With ``--batch-profile-out PATH`` it fits one odds multiplier per measured batch size, relative to the
 batch the shipped profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
 ``batch_fit`` in the JSON, with the per-T fit beside it as a check of the one-multiplier model) and
-writes the shipped profile with that ``batch_acceptance`` section. ``--refit JSON`` does the fit from an
+writes the shipped profile with that ``batch_acceptance`` section — and, where the run recorded
+accepted / drafted per request, the per-request spread κ fitted within each (batch, T)
+(``sim.profile_fit.fit_request_acceptance``) as its ``request_acceptance``. ``--refit JSON`` does the fit from an
 earlier run's measurements, without the models.
 
 With ``--profile-batch B --profile-out PATH`` it also writes the shipped profile with its acceptance
@@ -91,7 +93,7 @@ def main() -> int:
 
 def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: str) -> dict[str, Any]:
     from sim.profile import DEFAULT_PROFILE_PATH, Profile
-    from sim.profile_fit import BatchAcceptanceSample, fit_batch_acceptance
+    from sim.profile_fit import BatchAcceptanceSample, fit_batch_acceptance, fit_request_acceptance
 
     shipped = Profile.load(DEFAULT_PROFILE_PATH)
     reference = int((shipped.calibration or {}).get("settings", {}).get("acceptance_batch_size", 8))
@@ -99,10 +101,23 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
                                      tokens_per_row_iteration=float(a["tokens_per_row_iteration"]),
                                      row_iterations=int(a["row_iterations"])) for a in acceptance]
     fitted, per_threshold = fit_batch_acceptance(shipped, samples, reference, source=command)
-    shipped.model_copy(update={"batch_acceptance": fitted}).save(path)
-    return {"reference_batch": reference, "odds_scale": fitted.odds_scale,
-            "odds_scale_per_threshold": {b: {str(t): v for t, v in by_t.items()} for b, by_t in per_threshold.items()},
-            "profile_out": path}
+    update: dict[str, Any] = {"batch_acceptance": fitted}
+    out: dict[str, Any] = {
+        "reference_batch": reference, "odds_scale": fitted.odds_scale,
+        "odds_scale_per_threshold": {b: {str(t): v for t, v in by_t.items()} for b, by_t in per_threshold.items()}}
+    # Per-request spread (κ), each (batch, T) about its own mean, where the run recorded requests.
+    counted = [a for a in acceptance if a.get("request_accepted") is not None]
+    if counted:
+        accepted = [x for a in counted for x in a["request_accepted"]]
+        drafted = [x for a in counted for x in a["request_drafted"]]
+        groups = [f"{a['batch']}/{a['threshold']}" for a in counted for _ in a["request_accepted"]]
+        variation = fit_request_acceptance(accepted, drafted, groups=groups,
+                                           source=f"{len(accepted)} requests in {len(counted)} (batch, T) groups: {command}")
+        out["request_concentration"] = None if variation is None else variation.concentration
+        if variation is not None:
+            update["request_acceptance"] = variation
+    shipped.model_copy(update=update).save(path)
+    return {**out, "profile_out": path}
 
 
 def _measure(args: argparse.Namespace, command: str) -> dict[str, Any]:

@@ -10,7 +10,10 @@ hand.
 **Prediction** for a candidate (one (T_τ, k_τ) per tier τ):
 
 * tokens per sequence per step ``n_τ = 1 + E[accepted]`` at (T_τ, k_τ) from the model (1 at k = 0),
-  times an online correction ``a_τ`` = EWMA of measured / modelled tokens per step of the tier;
+  read at the planned batch B when the model has tokens per batch size (a draft whose acceptance
+  depends on its neighbours in the batch, as the default pair's int8 dynamic draft does; the batch
+  and n then solve Little's law together, by two fixed-point passes), times an online correction
+  ``a_τ`` = EWMA of measured / modelled (at the window's mean batch) accepted drafts per step;
 * one step over the running batch (tier shares ``s_τ`` of the running rows, measured):
   ``step = c · (fixed(k_max) + B · Σ s_τ · per_row(k_τ, k_max))`` — the draft model runs k_max steps
   over the drafting rows, verify is as wide as each row's k (the simulator's mixed-batch model) —
@@ -90,14 +93,18 @@ class OperatingPoint:
     k: int
     tokens_per_step: float
     mean_distortion: float
+    #: Tokens per step at an engine batch of 1, 2, … rows (``()``: the same at every batch; beyond the
+    #: last entry, the last). ``tokens_per_step`` is the batch the acceptance was measured at.
+    tokens_per_step_by_batch: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.threshold) and self.threshold >= 0):
             raise ValueError(f"threshold must be finite and >= 0, got {self.threshold}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
-        if not (math.isfinite(self.tokens_per_step) and 1.0 <= self.tokens_per_step <= self.k + 1 + 1e-9):
-            raise ValueError(f"tokens_per_step must be in [1, k + 1], got {self.tokens_per_step} at k={self.k}")
+        for tokens in (self.tokens_per_step, *self.tokens_per_step_by_batch):
+            if not (math.isfinite(tokens) and 1.0 <= tokens <= self.k + 1 + 1e-9):
+                raise ValueError(f"tokens_per_step must be in [1, k + 1], got {tokens} at k={self.k}")
         if not (math.isfinite(self.mean_distortion) and self.mean_distortion >= 0):
             raise ValueError(f"mean_distortion must be finite and >= 0, got {self.mean_distortion}")
 
@@ -140,6 +147,25 @@ class OperatingModel:
             raise ValueError("points: the model needs a k = 0 point (plain decoding)")
         if any(p.k == 0 and (p.tokens_per_step != 1.0 or p.mean_distortion != 0.0) for p in self.points):
             raise ValueError("points: k = 0 emits one token per step without distortion")
+        lengths = {len(p.tokens_per_step_by_batch) for p in self.points if p.k > 0}
+        if len(lengths) > 1:
+            raise ValueError(f"points: tokens_per_step_by_batch must have one length for every k > 0 point, got {sorted(lengths)}")
+
+    @property
+    def batch_sizes(self) -> int:
+        """Batch sizes the points carry tokens for (0: acceptance does not depend on the batch)."""
+        return max((len(p.tokens_per_step_by_batch) for p in self.points), default=0)
+
+    def batch_curve(self, k: int) -> np.ndarray | None:
+        """Tokens per step [T points sorted by T, batch 1..:attr:`batch_sizes`] at draft length ``k``;
+        None when the model has no batch dependence."""
+        n_b = self.batch_sizes
+        if n_b == 0:
+            return None
+        pts = sorted((p for p in self.points if p.k == k), key=lambda p: p.threshold)
+        if not pts:
+            raise ValueError(f"k={k} is not in the model; known: {self.draft_lengths}")
+        return np.array([p.tokens_per_step_by_batch or (p.tokens_per_step,) * n_b for p in pts])
 
     @property
     def draft_lengths(self) -> list[int]:
@@ -157,13 +183,22 @@ class OperatingModel:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "cost": asdict(self.cost), "points": [asdict(p) for p in self.points]}
+        points = []
+        for p in self.points:
+            d = asdict(p)
+            if not p.tokens_per_step_by_batch:
+                del d["tokens_per_step_by_batch"]  # the files of models without batch dependence stay as they were
+            else:
+                d["tokens_per_step_by_batch"] = list(p.tokens_per_step_by_batch)
+            points.append(d)
+        return {"source": self.source, "cost": asdict(self.cost), "points": points}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OperatingModel:
         try:
             return cls(
-                points=tuple(OperatingPoint(**p) for p in data["points"]),
+                points=tuple(OperatingPoint(**{**p, "tokens_per_step_by_batch": tuple(p.get("tokens_per_step_by_batch", ()))})
+                             for p in data["points"]),
                 cost=StepCost(**data["cost"]),
                 source=str(data.get("source", "")),
             )
@@ -226,6 +261,7 @@ class _Candidates:
     ks: np.ndarray  # [n] int
     tokens: np.ndarray  # [n]
     distortion: np.ndarray  # [n]
+    tokens_by_batch: np.ndarray | None  # [n, batch sizes] (None: no batch dependence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +273,7 @@ class _Universe:
     ks: np.ndarray  # int
     thresholds: np.ndarray
     tokens_minus_1: np.ndarray  # modelled accepted drafts per step
+    tokens_minus_1_by_batch: np.ndarray | None  # [batch sizes, candidates, tiers] (None: no batch dependence)
     ks_plus_1: np.ndarray  # the most tokens a step can emit (float)
     base_distortion: np.ndarray  # modelled, before the online correction
     per_row: np.ndarray  # step ms per row of each tier (mixed-batch model at the candidate's k_max)
@@ -330,6 +367,7 @@ class ModelPredictivePolicy:
         self.t_grid = tuple(float(t) for t in t_grid)
         self.tier_names = list(slo.tiers)
         self._curves = {k: self.model.curve(k) for k in self.model.draft_lengths}  # per tick in _observe
+        self._batch_curves = {k: self.model.batch_curve(k) for k in self.model.draft_lengths}
         self._candidates = {name: self._tier_candidates(slo.tiers[name]) for name in self.tier_names}
         # Evaluate only the within-budget product (see decide); False evaluates every joint candidate
         # (the reference the tests compare the pruning against).
@@ -346,6 +384,8 @@ class ModelPredictivePolicy:
         ks: list[int] = []
         tokens: list[float] = []
         distortion: list[float] = []
+        by_batch: list[np.ndarray] = []
+        n_b = self.model.batch_sizes
         lo, hi = (tier.fixed_threshold, tier.fixed_threshold) if tier.fixed_threshold is not None else (
             tier.min_threshold, tier.max_threshold)
         for k in self.model.draft_lengths:
@@ -360,7 +400,12 @@ class ModelPredictivePolicy:
                 ks.append(k)
                 tokens.append(float(np.interp(t, grid_t, grid_n)))
                 distortion.append(float(np.interp(t, grid_t, grid_d)))
-        return _Candidates(np.array(ts), np.array(ks, dtype=np.int64), np.array(tokens), np.array(distortion))
+                if n_b:
+                    curve = self._batch_curves[k]
+                    by_batch.append(np.ones(n_b) if curve is None or k == 0 else
+                                    np.array([np.interp(t, grid_t, curve[:, b]) for b in range(n_b)]))
+        return _Candidates(np.array(ts), np.array(ks, dtype=np.int64), np.array(tokens), np.array(distortion),
+                           np.array(by_batch) if n_b else None)
 
     def _universe(self, act_idx: tuple[int, ...], kept: tuple[tuple[int, ...], ...] | None) -> _Universe:
         """The joint candidates over the active tiers ``act_idx`` — every choice of one candidate per
@@ -379,12 +424,16 @@ class ModelPredictivePolicy:
         thresholds = np.zeros((n, n_t))
         tokens = np.ones((n, n_t))
         distortion = np.zeros((n, n_t))
+        n_b = self.model.batch_sizes
+        by_batch = np.ones((n_b, n, n_t)) if n_b else None
         for col, (i, c) in enumerate(zip(act_idx, cands, strict=True)):
             sel = index[:, col]
             ks[:, i] = c.ks[sel]
             thresholds[:, i] = c.thresholds[sel]
             tokens[:, i] = c.tokens[sel]
             distortion[:, i] = c.distortion[sel]
+            if by_batch is not None and c.tokens_by_batch is not None:
+                by_batch[:, :, i] = c.tokens_by_batch[sel].T
         # The step model's parts that depend on the candidates' k alone (see _step_ms; the tiers with
         # a positive share are exactly the active ones).
         cost = self.model.cost
@@ -396,7 +445,8 @@ class ModelPredictivePolicy:
         plain = k_max == 0
         fixed = np.asarray(np.where(plain, cost.plain_fixed_ms, k_max * cost.draft_fixed_ms + cost.verify_fixed_ms),
                            dtype=float)
-        universe = _Universe(ks=ks, thresholds=thresholds, tokens_minus_1=tokens - 1.0, ks_plus_1=ks + 1.0,
+        universe = _Universe(ks=ks, thresholds=thresholds, tokens_minus_1=tokens - 1.0,
+                             tokens_minus_1_by_batch=None if by_batch is None else by_batch - 1.0, ks_plus_1=ks + 1.0,
                              base_distortion=distortion, per_row=per_row, fixed=fixed, plain=plain)
         if len(self._universe_cache) >= 256:  # distinct budget subsets are few; bound it anyway
             self._universe_cache.clear()
@@ -433,6 +483,18 @@ class ModelPredictivePolicy:
         self.last_decision: Decision | None = None
         self.last_prediction: dict[str, dict[str, float]] = {}
         self._last_time_s: float | None = None
+
+    def _tokens_at(self, by_batch: np.ndarray, batch: np.ndarray, ks_plus_1: np.ndarray) -> np.ndarray:
+        """Corrected tokens per step [candidates, tiers] at each candidate's (fractional) batch, linear
+        between integer batch sizes, held beyond the model's last."""
+        n_b = by_batch.shape[0]
+        b = np.clip(batch, 1.0, float(n_b)) - 1.0
+        lo = np.floor(b).astype(np.int64)
+        hi = np.minimum(lo + 1, n_b - 1)
+        w = (b - lo)[:, None]
+        rows = np.arange(batch.size)
+        accepted = (1.0 - w) * by_batch[lo, rows] + w * by_batch[hi, rows]
+        return np.minimum(1.0 + accepted * self.tokens_correction, ks_plus_1)
 
     def _step_ms(self, ks: np.ndarray, shares: np.ndarray, batch: float | np.ndarray) -> np.ndarray:
         """Modelled step ms for candidate rows ``ks`` [N, n_tiers] with tier shares [n_tiers]."""
@@ -510,6 +572,13 @@ class ModelPredictivePolicy:
                 continue
             if k > 0 and window.sequence_iterations > 0:
                 grid_t, grid_n, grid_d = self._curves[k]
+                curve = self._batch_curves[k]
+                if curve is not None and math.isfinite(telemetry.mean_batch_size):
+                    # The model at the batch the window ran (linear between integer batch sizes).
+                    b = min(max(telemetry.mean_batch_size, 1.0), float(curve.shape[1])) - 1.0
+                    lo = int(b)
+                    hi = min(lo + 1, curve.shape[1] - 1)
+                    grid_n = (1.0 - (b - lo)) * curve[:, lo] + (b - lo) * curve[:, hi]
                 modelled_accepted = float(np.interp(t, grid_t, grid_n)) - 1.0
                 if modelled_accepted > 0.05:  # correct accepted drafts per step, measured / modelled
                     pooled = self._pooled_ratio(self._pending_tokens[i], window.tokens_per_iteration - 1.0,
@@ -619,17 +688,26 @@ class ModelPredictivePolicy:
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
         f = u.fixed * self.step_correction
         p = (u.fixed + per_seq) * self.step_correction - f
-        mean_tokens = _row_sums(tokens * shares)
+        by_batch = u.tokens_minus_1_by_batch
+        if by_batch is not None:  # acceptance depends on the batch: start from the batch running now
+            tokens = self._tokens_at(by_batch, np.full(n, running_now), u.ks_plus_1)
         # Little: B = λ·L·TPOT = λ·L·(f + p·B) / (1000·n̄)  ⇒  B = x·f / (1 − x·p), x = λL / (1000 n̄).
-        x = lam * length / (1000.0 * mean_tokens)
-        denom = 1.0 - x * p
-        with np.errstate(divide="ignore", invalid="ignore"):
-            little = np.where(denom > 0, x * f / denom, np.inf)
-        overloaded = little > self.max_batch
-        # A request lives through many steps while the batch fluctuates around its Little's-law mean
-        # (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), and never below now.
-        planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
-        batch = np.clip(np.maximum(planned, running_now), 1.0, float(self.max_batch))
+        # With batch-dependent tokens n̄(B), two fixed-point passes (n̄ moves little with B).
+        for _ in range(1 if by_batch is None else 2):
+            mean_tokens = _row_sums(tokens * shares)
+            x = lam * length / (1000.0 * mean_tokens)
+            denom = 1.0 - x * p
+            with np.errstate(divide="ignore", invalid="ignore"):
+                little = np.where(denom > 0, x * f / denom, np.inf)
+            overloaded = little > self.max_batch
+            # A request lives through many steps while the batch fluctuates around its Little's-law
+            # mean (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), never below now.
+            planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
+            batch = np.clip(np.maximum(planned, running_now), 1.0, float(self.max_batch))
+            if by_batch is not None:
+                tokens = self._tokens_at(by_batch, batch, u.ks_plus_1)
+        if by_batch is not None:
+            mean_tokens = _row_sums(tokens * shares)
         step = f + p * batch
         # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
         # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.

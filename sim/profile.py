@@ -572,12 +572,15 @@ def to_operating_model(profile: Profile, div: str | None = None, source: str = "
 
     div = div or profile.default_div
     points = [OperatingPoint(threshold=0.0, k=0, tokens_per_step=1.0, mean_distortion=0.0)]
+    # With batch dependence: tokens per step at 1 .. the largest measured batch (held beyond it).
+    batches = range(1, max(profile.batch_acceptance.odds_scale) + 1) if profile.batch_acceptance else range(0)
     for k in profile.draft_lengths(div):
         for t in profile.thresholds(div, k):
             points.append(OperatingPoint(
                 threshold=float(t), k=k,
                 tokens_per_step=profile.expected_tokens_per_iter(div, float(t), k),
                 mean_distortion=profile.mean_distortion(div, float(t), k),
+                tokens_per_step_by_batch=tuple(profile.expected_tokens_per_iter(div, float(t), k, b) for b in batches),
             ))
     lat = profile.latency
     plain_a, plain_b = lat.plain_coeffs()

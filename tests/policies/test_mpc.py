@@ -281,3 +281,72 @@ def test_budget_pruned_search_chooses_what_the_full_search_chooses() -> None:
                          arrivals=int(rng.integers(0, 8)), time_s=float(tick + 1), tiers=tiers)
         assert fast.decide(telemetry) == full.decide(telemetry), f"tick {tick}"
     assert len(fast._universe_cache) > 1, "the pruning never pruned: the test would not test it"
+
+
+def _batch_model(falling: float) -> OperatingModel:
+    """The toy model with tokens per step at batch 1..8: accepted drafts at B rows = at batch 1 ×
+    (1 − falling · (B − 1) / 7) (``falling`` 0: no dependence, stated explicitly)."""
+    base = toy_model()
+    points = tuple(
+        p if p.k == 0 else OperatingPoint(p.threshold, p.k, p.tokens_per_step, p.mean_distortion, tuple(
+            1.0 + (p.tokens_per_step - 1.0) * (1.0 - falling * (b - 1) / 7) for b in range(1, 9)))
+        for p in base.points)
+    return OperatingModel(points, base.cost, source="toy by batch")
+
+
+def test_batch_model_roundtrips_and_flat_batch_tokens_decide_as_without() -> None:
+    model = _batch_model(0.6)
+    assert model.batch_sizes == 8 and OperatingModel.from_dict(model.to_dict()) == model
+    assert "tokens_per_step_by_batch" not in toy_model().to_dict()["points"][1]
+    with pytest.raises(ValueError, match="one length"):
+        OperatingModel((*model.points, OperatingPoint(0.75, 2, 1.5, 0.06, (1.5, 1.4))), model.cost)
+    # Tokens equal at every batch (the table's own): the same decisions as the model without them.
+    flat = OperatingModel(tuple(
+        p if p.k == 0 else OperatingPoint(p.threshold, p.k, p.tokens_per_step, p.mean_distortion,
+                                          (p.tokens_per_step,) * 8) for p in toy_model().points), toy_model().cost)
+    slo = make_slo()
+    a, b = ModelPredictivePolicy(slo, toy_model()), ModelPredictivePolicy(slo, flat)
+    for tick, (in_flight, arrivals) in enumerate(((1, 0), (4, 1), (8, 2), (8, 4), (2, 1))):
+        t = load(in_flight, arrivals=arrivals, time_s=float(tick + 1))
+        assert a.decide(t) == b.decide(t)
+        for tier, pred in a.last_prediction.items():
+            assert pred == pytest.approx(b.last_prediction[tier])
+
+
+@pytest.mark.parametrize(("in_flight", "batch"), [(1, 1), (8, 8)])
+def test_prediction_reads_tokens_at_the_planned_batch(in_flight: int, batch: int) -> None:
+    """No arrivals: the planned batch is the running one. The predicted TPOT of the chosen point is its
+    step over the model's tokens at that batch."""
+    model = _batch_model(0.6)
+    policy = ModelPredictivePolicy(make_slo(), model)
+    decision = policy.decide(load(in_flight, arrivals=0))
+    for tier in ("standard", "economy"):
+        t, k = decision.thresholds[tier], decision.draft_lengths[tier]
+        pred = policy.last_prediction[tier]
+        if k == 0:
+            expected = 1.0
+        else:
+            grid_t = model.curve(k)[0]
+            expected = float(np.interp(t, grid_t, model.batch_curve(k)[:, batch - 1]))
+        assert pred["step_ms"] / pred["tpot_ms"] == pytest.approx(expected, rel=1e-9), (tier, t, k)
+
+
+def test_acceptance_correction_compares_at_the_windows_batch() -> None:
+    """Windows at batch 8 that measure exactly the model's tokens at batch 8: a batch-aware policy
+    leaves its correction at 1; one whose model has no batch dependence learns a lower acceptance."""
+    model = _batch_model(0.6)
+    grid_t = model.curve(2)[0]
+    at_8 = float(np.interp(1.0, grid_t, model.batch_curve(2)[:, 7]))
+
+    def busy(tick: int) -> Telemetry:
+        tiers = {"economy": make_tier_window(threshold=1.0, draft_length=2, completions=5, slo_met=5,
+                                             output_tokens=2000, sequence_iterations=round(2000 / at_8))}
+        return load(8, arrivals=0, time_s=float(tick + 1), tiers=tiers, mean_batch_size=8.0)
+
+    aware, blind = ModelPredictivePolicy(make_slo(), model), ModelPredictivePolicy(make_slo(), toy_model())
+    for tick in range(6):
+        aware.decide(busy(tick))
+        blind.decide(busy(tick))
+    economy = aware.tier_names.index("economy")
+    assert float(aware.tokens_correction[economy]) == pytest.approx(1.0, abs=0.02)
+    assert float(blind.tokens_correction[economy]) < 0.7

@@ -11,10 +11,9 @@ both halves (JSON to stdout and ``--out``):
   prompts and seeds, temperature 1, kl, k = 4) at each ``--batches`` engine batch size and each
   ``--thresholds`` T: tokens per row-iteration and the acceptance rate.
 
-With ``--batch-profile-out PATH`` it fits one odds multiplier per measured batch size, relative to the
-batch the shipped profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
-``batch_fit`` in the JSON, with the per-T fit beside it as a check of the one-multiplier model) and
-writes the shipped profile with that ``batch_acceptance`` section — and, where the run recorded
+With ``--batch-profile-out PATH`` it fits an odds multiplier per measured (batch size, T), relative to
+the batch the shipped profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
+``batch_fit`` in the JSON) and writes the shipped profile with that ``batch_acceptance`` section — and, where the run recorded
 accepted / drafted per request, the per-request spread κ fitted within each (batch, T)
 (``sim.profile_fit.fit_request_acceptance``) as its ``request_acceptance``. ``--refit JSON`` does the fit from an
 earlier run's measurements, without the models.
@@ -100,11 +99,9 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
     samples = [BatchAcceptanceSample(batch=int(a["batch"]), threshold=float(a["threshold"]),
                                      tokens_per_row_iteration=float(a["tokens_per_row_iteration"]),
                                      row_iterations=int(a["row_iterations"])) for a in acceptance]
-    fitted, per_threshold = fit_batch_acceptance(shipped, samples, reference, source=command)
+    fitted = fit_batch_acceptance(shipped, samples, reference, source=command)
     update: dict[str, Any] = {"batch_acceptance": fitted}
-    out: dict[str, Any] = {
-        "reference_batch": reference, "odds_scale": fitted.odds_scale,
-        "odds_scale_per_threshold": {b: {str(t): v for t, v in by_t.items()} for b, by_t in per_threshold.items()}}
+    out: dict[str, Any] = {"reference_batch": reference, "thresholds": fitted.thresholds, "odds_scale": fitted.odds_scale}
     # Per-request spread (κ), each (batch, T) about its own mean, where the run recorded requests.
     counted = [a for a in acceptance if a.get("request_accepted") is not None]
     if counted:

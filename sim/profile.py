@@ -247,61 +247,69 @@ class RequestAcceptance(BaseModel):
 
 class BatchAcceptance(BaseModel):
     """Acceptance against the engine batch: the profile's acceptance is the one measured at
-    ``reference_batch`` rows; at a batch of B rows every position's odds are multiplied by ``scale(B)``.
+    ``reference_batch`` rows; at a batch of B rows every position's odds at T are multiplied by
+    ``scale(B, T)``.
 
     Why it exists: an int8 *dynamic* draft (the default pair's) quantizes activations with one scale
     over the whole input tensor, i.e. over every row of the batch, so a row's draft distribution moves
     with its neighbours and agrees least with the target when the batch is full (docs/calibration.md,
     "Acceptance depends on the engine batch"). A draft with per-row quantization has no entry here.
 
-    ``odds_scale`` maps measured batch sizes to odds multipliers (1 at the reference batch); between
-    them the log-multiplier is linear in log B, beyond them it stays at the nearest measured one. One
-    multiplier per batch, for every position and T: the model ``benchmarks/acceptance_by_batch.py``
-    fits (it reports the per-T fit beside it so the assumption can be checked).
+    ``odds_scale[B]`` holds one multiplier per entry of ``thresholds`` (1 at the reference batch): in T
+    linear between them and held beyond; in B the log-multiplier is linear in log B between measured
+    batch sizes and held beyond. The multiplier grows with T on the default pair (a worse draft
+    distribution costs fuzzy acceptance more than exact acceptance), so it is per threshold.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     reference_batch: int = Field(..., ge=1, description="engine batch the acceptance table was measured at")
-    odds_scale: dict[int, float] = Field(..., min_length=1, description="batch size -> odds multiplier")
+    thresholds: list[float] = Field(..., min_length=1, description="T of each multiplier, increasing")
+    odds_scale: dict[int, list[float]] = Field(
+        ..., min_length=1, description="batch size -> odds multiplier per entry of thresholds")
     source: str = Field("", description="how the multipliers were measured (the command)")
+
+    @field_validator("thresholds")
+    @classmethod
+    def _increasing(cls, v: list[float]) -> list[float]:
+        if any(not (math.isfinite(t) and t >= 0) for t in v) or any(b <= a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError(f"thresholds must be finite, >= 0 and increasing, got {v}")
+        return v
 
     @field_validator("odds_scale")
     @classmethod
-    def _positive(cls, v: dict[int, float]) -> dict[int, float]:
-        for batch, scale in v.items():
+    def _positive(cls, v: dict[int, list[float]]) -> dict[int, list[float]]:
+        for batch, scales in v.items():
             if batch < 1:
                 raise ValueError(f"batch sizes must be >= 1, got {batch}")
-            if not (math.isfinite(scale) and scale > 0):
-                raise ValueError(f"odds multipliers must be finite and > 0, got {scale} at batch {batch}")
+            for scale in scales:
+                if not (math.isfinite(scale) and scale > 0):
+                    raise ValueError(f"odds multipliers must be finite and > 0, got {scale} at batch {batch}")
         return dict(sorted(v.items()))
 
     @model_validator(mode="after")
-    def _reference_is_one(self) -> BatchAcceptance:
+    def _consistent(self) -> BatchAcceptance:
+        for batch, scales in self.odds_scale.items():
+            if len(scales) != len(self.thresholds):
+                raise ValueError(f"odds_scale[{batch}] has {len(scales)} entries for {len(self.thresholds)} thresholds")
         at_ref = self.odds_scale.get(self.reference_batch)
-        if at_ref is None or abs(at_ref - 1.0) > 1e-9:
+        if at_ref is None or any(abs(x - 1.0) > 1e-9 for x in at_ref):
             raise ValueError(
                 f"odds_scale must hold 1.0 at the reference batch {self.reference_batch}, got {at_ref}"
             )
         return self
 
-    def scale(self, batch: float) -> float:
-        """The odds multiplier at an engine batch of ``batch`` rows (a mean batch may be fractional)."""
+    def scale(self, batch: float, threshold: float) -> float:
+        """The odds multiplier at an engine batch of ``batch`` rows (a mean batch may be fractional) and T."""
         if not (math.isfinite(batch) and batch >= 1):
             raise ValueError(f"batch must be finite and >= 1, got {batch}")
-        return float(self._log_interp(np.array([float(batch)]))[0])
+        return float(self.scales(np.array([float(batch)]), threshold)[0])
 
-    def scales(self, max_batch: int) -> np.ndarray:
-        """``[max_batch + 1]`` multipliers indexed by batch size (index 0 unused, set to 1)."""
-        out = np.ones(max_batch + 1)
-        if max_batch >= 1:
-            out[1:] = self._log_interp(np.arange(1, max_batch + 1, dtype=float))
-        return out
-
-    def _log_interp(self, batches: np.ndarray) -> np.ndarray:
+    def scales(self, batches: np.ndarray, threshold: float) -> np.ndarray:
+        """Multipliers at ``batches`` (each >= 1) and T."""
         known = np.log(np.array(list(self.odds_scale), dtype=float))
-        log_scale = np.log(np.array(list(self.odds_scale.values()), dtype=float))
-        return np.asarray(np.exp(np.interp(np.log(batches), known, log_scale)), dtype=float)
+        at_t = np.array([np.interp(threshold, self.thresholds, row) for row in self.odds_scale.values()])
+        return np.asarray(np.exp(np.interp(np.log(batches), known, np.log(at_t))), dtype=float)
 
 
 def shifted_acceptance(position_accept: np.ndarray, odds_scale: np.ndarray | float) -> np.ndarray:
@@ -467,7 +475,7 @@ class Profile(BaseModel):
             [np.interp(threshold, grid.thresholds, grid.position_accept[:, i]) for i in range(k)]
         )
         if batch is not None and self.batch_acceptance is not None:
-            accept = shifted_acceptance(accept, self.batch_acceptance.scale(batch))
+            accept = shifted_acceptance(accept, self.batch_acceptance.scale(batch, threshold))
         return accept
 
     def request_odds_centring(self, div: str, threshold: float, k: int) -> float:

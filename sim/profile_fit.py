@@ -436,33 +436,31 @@ def fit_batch_acceptance(
     div: str | None = None,
     k: int | None = None,
     source: str = "",
-) -> tuple[BatchAcceptance, dict[int, dict[float, float]]]:
-    """Odds multipliers per engine batch, relative to ``reference_batch`` (the batch the profile's
+) -> BatchAcceptance:
+    """Odds multipliers per (engine batch, T), relative to ``reference_batch`` (the batch the profile's
     acceptance table was measured at): :class:`~sim.profile.BatchAcceptance`.
 
-    Each batch's multiplier is fitted over all its thresholds at once, then divided by the reference
-    batch's multiplier fitted the same way (so the measurement's own level at the reference batch, which
-    differs from the calibration's by sampling, cancels). Returns it with the same fit per (batch, T) —
-    the check on the model's assumption that one multiplier serves every T.
+    At each measured (batch, T) the one multiplier of the profile's acceptance at T that reproduces the
+    measured tokens per row-iteration, divided by the same fit at (reference batch, T) — so the
+    measurement's own level at the reference batch, which differs from the calibration's by sampling,
+    cancels. Every batch needs the reference batch's thresholds.
     """
     div = div or profile.default_div
     k = k or profile.default_k
-    by_batch: dict[int, list[BatchAcceptanceSample]] = {}
+    by_batch: dict[int, dict[float, BatchAcceptanceSample]] = {}
     for s in samples:
         if s.batch < 1:
             raise ValueError(f"batch sizes must be >= 1, got {s.batch}")
         if s.row_iterations < 1:
             raise ValueError(f"row_iterations must be >= 1, got {s.row_iterations} at batch {s.batch}")
-        by_batch.setdefault(s.batch, []).append(s)
+        by_batch.setdefault(s.batch, {})[s.threshold] = s
     if reference_batch not in by_batch:
         raise ValueError(f"no sample at the reference batch {reference_batch}; measured: {sorted(by_batch)}")
-    ref = _odds_scale_for(profile, div, k, by_batch[reference_batch])
-    ref_by_t = {s.threshold: _odds_scale_for(profile, div, k, [s]) for s in by_batch[reference_batch]}
-    scales = {b: (1.0 if b == reference_batch else _odds_scale_for(profile, div, k, group) / ref)
-              for b, group in sorted(by_batch.items())}
-    per_threshold = {
-        b: {s.threshold: _odds_scale_for(profile, div, k, [s]) / ref_by_t[s.threshold]
-            for s in group if s.threshold in ref_by_t}
-        for b, group in sorted(by_batch.items())
-    }
-    return BatchAcceptance(reference_batch=reference_batch, odds_scale=scales, source=source), per_threshold
+    thresholds = sorted(by_batch[reference_batch])
+    for b, group in by_batch.items():
+        if sorted(group) != thresholds:
+            raise ValueError(f"batch {b} measured T = {sorted(group)}, the reference batch T = {thresholds}")
+    ref = {t: _odds_scale_for(profile, div, k, [by_batch[reference_batch][t]]) for t in thresholds}
+    scales = {b: [1.0 if b == reference_batch else _odds_scale_for(profile, div, k, [group[t]]) / ref[t]
+                  for t in thresholds] for b, group in sorted(by_batch.items())}
+    return BatchAcceptance(reference_batch=reference_batch, thresholds=thresholds, odds_scale=scales, source=source)

@@ -64,8 +64,9 @@ class DecodeSettings:
     # tier's step-pooled tokens per step at the profile's (RequestAcceptance.centring).
     odds_centring_by_tier: np.ndarray  # [n_tiers]
     # Acceptance against the engine batch (Profile.batch_acceptance): odds multiplier per batch size
-    # ([max_batch + 1], index = rows in the batch); None: acceptance does not depend on the batch.
-    # A segment draws at the batch it starts with (rows finishing inside it do not raise the rest's).
+    # and tier ([max_batch + 1, n_tiers], index = rows in the batch; it depends on the tier's T);
+    # None: acceptance does not depend on the batch. A segment draws at the batch it starts with
+    # (rows finishing inside it do not raise the others' acceptance until the next draw).
     batch_odds: np.ndarray | None
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     coeffs_by_tier: list[tuple[float, float]]  # step ms = fixed + per_seq · B with every row at the tier's k
@@ -120,8 +121,8 @@ class _BatchTables:
             survival = s.survival_by_tier.take(tiers, axis=0)
             survival_asc0 = s.survival_asc_by_tier[int(tiers[0])]
         else:
-            scale = float(s.batch_odds[min(int(tiers.size), s.batch_odds.size - 1)])
-            survival = np.multiply.accumulate(shifted_acceptance(accept, scale), axis=1)
+            scale = s.batch_odds[min(int(tiers.size), s.batch_odds.shape[0] - 1)].take(tiers)
+            survival = np.multiply.accumulate(shifted_acceptance(accept, scale[:, None]), axis=1)
             survival_asc0 = np.ascontiguousarray(survival[0, ::-1])
             odds_centring = odds_centring * scale
         return cls(

@@ -130,7 +130,7 @@ class Simulator:
             survival_asc_by_tier=np.zeros((n_t, 1)),
             accept_by_tier=np.zeros((n_t, 1)),
             odds_centring_by_tier=np.ones(n_t),
-            batch_odds=None if profile.batch_acceptance is None else profile.batch_acceptance.scales(config.max_batch),
+            batch_odds=None,
             tier_weights=np.zeros((n_t, WindowBins.BASE + 3 * n_t)),
             coeffs_by_tier=[],
         )
@@ -214,6 +214,12 @@ class Simulator:
             for n, k in zip(self.tier_names, ks, strict=True)
         ])
         s.survival_by_tier = np.cumprod(accept, axis=1)
+        batch = self.profile.batch_acceptance
+        if batch is not None:  # [max_batch + 1, n_tiers]; row 0 unused
+            sizes = np.arange(1, self.config.max_batch + 1, dtype=float)
+            s.batch_odds = np.ones((self.config.max_batch + 1, len(ks)))
+            for i, n in enumerate(self.tier_names):
+                s.batch_odds[1:, i] = batch.scales(sizes, self.thresholds[n])
         s.distortion_by_tier = np.array(
             [self.profile.mean_distortion(self.div, self.thresholds[n], k) for n, k in zip(self.tier_names, ks, strict=True)]
         )

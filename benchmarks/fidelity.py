@@ -455,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulator leg: per-request acceptance variation, concentration κ of "
                    "sim.profile.RequestAcceptance (default: the profile's own, usually none); with --resim "
                    "the command line's value is used, not the stored one")
+    p.add_argument("--without", default="", metavar="FIELDS",
+                   help="simulator leg: comma-separated profile sections to drop (batch_acceptance, "
+                   "request_acceptance) — the model without them, for a before/after; with --resim the command "
+                   "line's value is used")
     p.add_argument("--resim", default=None, metavar="REPORT",
                    help="no service: re-run only the simulator leg on the real requests stored in an earlier "
                    "report (its settings apply; --profile, --out and --png may differ)")
@@ -476,6 +480,9 @@ class Setup:
     token: str
 
 
+_DROPPABLE = frozenset({"batch_acceptance", "request_acceptance"})
+
+
 def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_prefix: str = "/") -> Setup:
     """Validate the flags and build the service config (ValueError naming a bad flag)."""
     from controller.config import parse_config
@@ -488,6 +495,12 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
     if not profile_path.is_absolute() and not profile_path.exists() and (REPO / profile_path).exists():
         profile_path = REPO / profile_path  # a repo-relative path, as reports store it
     profile = Profile.load(profile_path)  # ValueError naming a missing or bad file
+    dropped = [name for name in args.without.split(",") if name]
+    for name in dropped:
+        if name not in _DROPPABLE:
+            raise ValueError(f"--without {name!r}: droppable sections are {sorted(_DROPPABLE)}")
+    if dropped:
+        profile = profile.model_copy(update=dict.fromkeys(dropped))
     if args.request_acceptance is not None:  # the simulator leg only: per-request acceptance variation
         from sim.profile import RequestAcceptance
 
@@ -621,7 +634,7 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc!r}") from None
     keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim,
-            "request_acceptance": args.request_acceptance}
+            "request_acceptance": args.request_acceptance, "without": args.without}
     known = vars(build_parser().parse_args([]))
     for key, value in settings.items():
         if key in known and key not in keep:

@@ -818,7 +818,8 @@ class ModelPredictivePolicy:
         """[n] bool: candidates ``ks``/``tokens`` [n, tiers] predicted to meet every active tier's
         targets in steady state at ``lam`` requests/s per replica: no queue, the batch from Little's
         law, the same step model, corrections, prefill and margins as :meth:`decide` (which also
-        sees the queue and the measured shortfall)."""
+        sees the queue and the measured shortfall). ``tokens`` are :meth:`decide`'s, at the batch it
+        planned for the load now (a batch-dependent model is not re-read at each count)."""
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
         f = self._step_ms(ks, shares, 0.0) * self.step_correction
         p = self._step_ms(ks, shares, 1.0) * self.step_correction - f

@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None,
+                   help="control.profile: the profile whose operating model the SLO policy uses (default: the pair's shipped one)")
     p.add_argument("--out", default="results/load.json")
     p.add_argument("--png", default=None, help="default: --out with .png")
     args = p.parse_args(argv)
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = parse_config({
-        "model": {"pair": args.pair}, "slo": slo, "control": {"interval_s": args.interval},
+        "model": {"pair": args.pair}, "slo": slo, "control": {"interval_s": args.interval, "profile": args.profile},
         "serve": {"num_replicas": args.replicas, "replica_num_cpus": args.replica_cpus,
                   "max_ongoing_requests": 64, "max_queued_requests": 256},
         "replica": {"max_queued": 64, "stale_after_s": max(10.0, 5 * args.interval)},

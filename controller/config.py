@@ -162,6 +162,10 @@ class ControlConfig(_Section):
     shadow_policy: dict[str, Any] | str | None = Field(
         None, description="candidate policy run beside the active one; logged, never applied"
     )
+    profile: str | None = Field(
+        None, description="profile JSON (sim/profile.py) whose operating model the model-predictive policy uses, "
+        "e.g. one calibrated on the serving machine (`fsd calibrate`); None = the served pair's shipped profile "
+        "sim/profiles/<pair>.json when there is one. A path on the node that runs the controller")
     history: int = Field(300, ge=1, le=100_000, description="(telemetry, decision) records kept for status")
     stats_timeout_s: float = Field(
         2.0, gt=0, description="unused since replicas push their reports (kept so old configs still load)"

@@ -70,13 +70,24 @@ def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec,
     return policy, (normalised if isinstance(normalised, dict) else {"policy": normalised})
 
 
-def served_operating_model(pair: str, div: str) -> tuple[OperatingModel | None, str]:
-    """The model-predictive policy's model of the served pair: from its calibrated profile
-    ``sim/profiles/<pair>.json`` when there is one (the configured divergence where the profile has it),
-    else None (the policy's default, the default pair's model). Also a line saying which, for status."""
+def served_operating_model(pair: str, div: str, profile_path: str | None = None) -> tuple[OperatingModel | None, str]:
+    """The model-predictive policy's model of the served pair: from ``profile_path`` when given (a
+    profile calibrated on the serving machine; ValueError naming it when it cannot be read), else from
+    its calibrated profile ``sim/profiles/<pair>.json`` when there is one (the configured divergence
+    where the profile has it), else None (the policy's default, the default pair's model). Also a line
+    saying which, for status."""
     from policies.mpc import DEFAULT_MODEL_PATH
     from sim.profile import PROFILES_DIR, Profile
 
+    if profile_path is not None:
+        try:
+            profile = Profile.load(profile_path)
+        except ValueError as exc:
+            raise ValueError(f"control.profile: {exc}") from None
+        use_div = div if div in profile.divs() else profile.default_div
+        return (profile.to_operating_model(div=use_div),
+                f"control.profile {profile_path} ({profile.provenance.pair}; div {use_div}; k = 0 "
+                f"{profile.plain_decoding_source})")
     path = PROFILES_DIR / f"{pair}.json"
     if Path(pair).name != pair or not path.is_file():
         return None, (f"default model policies/models/{DEFAULT_MODEL_PATH.name} (the default pair's): no "
@@ -199,7 +210,7 @@ class FSDController:
         self._replicas = replicas
         self._slo = self._cfg.slo
         self._operating_model, self._operating_model_source = served_operating_model(
-            self._cfg.model.pair, self._cfg.model.div)
+            self._cfg.model.pair, self._cfg.model.div, self._cfg.control.profile)
         # Serve's replica bounds when the policy's Decision.replicas drives its autoscaler (else None).
         self._replica_bounds = steered_replica_bounds(self._cfg)
         self._policy, self._policy_spec = self._build(self._cfg.control.policy, self._slo)

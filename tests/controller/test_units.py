@@ -354,6 +354,25 @@ def test_the_controller_models_the_served_pair_where_a_calibrated_profile_exists
     assert controller.status(history=0)["operating_model"].startswith("default model")
 
 
+def test_control_profile_gives_the_policy_a_machine_calibrated_model(tmp_path: Any) -> None:
+    """``control.profile``: the model-predictive policy's model comes from that profile (e.g. one
+    calibrated on the serving machine), whatever the pair; a missing file is a ValueError naming it."""
+    from controller.control_loop import FSDController, served_operating_model
+    from sim.profile import PROFILES_DIR, Profile
+
+    shipped = Profile.load(PROFILES_DIR / "smollm2-135m.json")
+    slower = shipped.model_copy(update={"latency": shipped.latency.model_copy(update={"verify_a_ms": 400.0})})
+    path = tmp_path / "this_machine.json"
+    slower.save(path)
+    model, source = served_operating_model("tiny", "kl", str(path))
+    assert model is not None and model.cost.verify_fixed_ms == 400.0 and source.startswith(f"control.profile {path}")
+    controller = FSDController(parse_config({"model": {"pair": "tiny"}, "control": {"profile": str(path)}})
+                               .model_dump(mode="json"), start_loop=False)
+    assert controller.status(history=0)["operating_model"].startswith("control.profile")
+    with pytest.raises(ValueError, match="control.profile: profile file .*missing.json' does not exist"):
+        served_operating_model("tiny", "kl", str(tmp_path / "missing.json"))
+
+
 def test_batching_loop_aborts_a_request_past_its_deadline_started_or_not(engine: Any) -> None:
     """The ingress has answered 504 at the deadline; a request still in the engine then (its cancellation
     raced its start) is aborted there instead of decoding for nobody. Before the deadline nothing changes."""

@@ -494,7 +494,7 @@ class ModelPredictivePolicy:
         w = (b - lo)[:, None]
         rows = np.arange(batch.size)
         accepted = (1.0 - w) * by_batch[lo, rows] + w * by_batch[hi, rows]
-        return np.minimum(1.0 + accepted * self.tokens_correction, ks_plus_1)
+        return np.asarray(np.minimum(1.0 + accepted * self.tokens_correction, ks_plus_1), dtype=float)
 
     def _step_ms(self, ks: np.ndarray, shares: np.ndarray, batch: float | np.ndarray) -> np.ndarray:
         """Modelled step ms for candidate rows ``ks`` [N, n_tiers] with tier shares [n_tiers]."""

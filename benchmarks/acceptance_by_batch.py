@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a serving replica's default: 1)")
     ap.add_argument("--prompts", type=int, default=None,
                     help="calibration prompts per (batch, T) (default: the shipped calibration's; at most 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens per request (default: the shipped calibration's, 40); answer positions matter")
     ap.add_argument("--profile-batch", type=int, default=None)
     ap.add_argument("--profile-out", default=None)
     ap.add_argument("--batch-profile-out", default=None,
@@ -154,6 +156,8 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
               "default_k": 4}
     if args.prompts is not None:
         common["prompts"] = args.prompts
+    if args.max_new_tokens is not None:
+        common["max_new_tokens"] = args.max_new_tokens
     out["acceptance"] = []
     for batch in args.batches:
         settings = CalibrationSettings.from_dict({**common, "thresholds": {"kl": args.thresholds},

@@ -219,6 +219,14 @@ class OperatingModel:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
+def _batch_bracket(batch: np.ndarray, n_b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For (fractional) batch sizes, clipped to [1, n_b]: the 0-based indices of the integer sizes
+    either side and the weight of the upper one (linear interpolation between them)."""
+    b = np.clip(batch, 1.0, float(n_b)) - 1.0
+    lo = np.floor(b).astype(np.int64)
+    return lo, np.minimum(lo + 1, n_b - 1), b - lo
+
+
 def _ewma(old: float, new: float, alpha: float) -> float:
     if not math.isfinite(new):
         return old
@@ -402,8 +410,8 @@ class ModelPredictivePolicy:
                 distortion.append(float(np.interp(t, grid_t, grid_d)))
                 if n_b:
                     curve = self._batch_curves[k]
-                    by_batch.append(np.ones(n_b) if curve is None or k == 0 else
-                                    np.array([np.interp(t, grid_t, curve[:, b]) for b in range(n_b)]))
+                    assert curve is not None  # a model with batch sizes has a batch curve at every k
+                    by_batch.append(np.array([np.interp(t, grid_t, curve[:, b]) for b in range(n_b)]))
         return _Candidates(np.array(ts), np.array(ks, dtype=np.int64), np.array(tokens), np.array(distortion),
                            np.array(by_batch) if n_b else None)
 
@@ -487,11 +495,8 @@ class ModelPredictivePolicy:
     def _tokens_at(self, by_batch: np.ndarray, batch: np.ndarray, ks_plus_1: np.ndarray) -> np.ndarray:
         """Corrected tokens per step [candidates, tiers] at each candidate's (fractional) batch, linear
         between integer batch sizes, held beyond the model's last."""
-        n_b = by_batch.shape[0]
-        b = np.clip(batch, 1.0, float(n_b)) - 1.0
-        lo = np.floor(b).astype(np.int64)
-        hi = np.minimum(lo + 1, n_b - 1)
-        w = (b - lo)[:, None]
+        lo, hi, w = _batch_bracket(batch, by_batch.shape[0])
+        w = w[:, None]
         rows = np.arange(batch.size)
         accepted = (1.0 - w) * by_batch[lo, rows] + w * by_batch[hi, rows]
         return np.asarray(np.minimum(1.0 + accepted * self.tokens_correction, ks_plus_1), dtype=float)
@@ -575,10 +580,8 @@ class ModelPredictivePolicy:
                 curve = self._batch_curves[k]
                 if curve is not None and math.isfinite(telemetry.mean_batch_size):
                     # The model at the batch the window ran (linear between integer batch sizes).
-                    b = min(max(telemetry.mean_batch_size, 1.0), float(curve.shape[1])) - 1.0
-                    lo = int(b)
-                    hi = min(lo + 1, curve.shape[1] - 1)
-                    grid_n = (1.0 - (b - lo)) * curve[:, lo] + (b - lo) * curve[:, hi]
+                    lo, hi, upper = _batch_bracket(np.array([telemetry.mean_batch_size]), curve.shape[1])
+                    grid_n = (1.0 - upper[0]) * curve[:, lo[0]] + upper[0] * curve[:, hi[0]]
                 modelled_accepted = float(np.interp(t, grid_t, grid_n)) - 1.0
                 if modelled_accepted > 0.05:  # correct accepted drafts per step, measured / modelled
                     pooled = self._pooled_ratio(self._pending_tokens[i], window.tokens_per_iteration - 1.0,

@@ -60,7 +60,10 @@ def service(ray_serve: RayServe) -> Iterator[str]:
     from controller.app import build_app
     from controller.config import parse_config
 
-    serve.run(build_app(parse_config(_config(APP, PREFIX))), name=APP, route_prefix=PREFIX)
+    # A health-check timeout far above the stopped-replica test's wait: the frozen replica must stay the
+    # same process (the 30 s default let Serve replace it mid-test on a slow CI machine).
+    cfg = _config(APP, PREFIX, serve={"health_check_timeout_s": 600.0})
+    serve.run(build_app(parse_config(cfg)), name=APP, route_prefix=PREFIX)
     url = f"{ray_serve.base_url}{PREFIX}"
     _wait(lambda: len(_status(url)["replicas"]) == 2, 120, "both replicas reporting")
     try:
@@ -184,7 +187,10 @@ def test_stopped_replica_costs_only_its_own_reports_and_is_counted_once(service:
 
         _wait(other_heard_and_ticking, 120, "ticks and the running replica's reports while the other is stopped")
     finally:
-        os.kill(stopped["pid"], signal.SIGCONT)
+        try:
+            os.kill(stopped["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pytest.fail("Serve replaced the stopped replica during the test (health-check timeout too short)")
     ok = load.join().count("ok")
     assert ok == 8, load.results
     counted = _settled_count(service)

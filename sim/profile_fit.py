@@ -409,24 +409,22 @@ class BatchAcceptanceSample:
     row_iterations: int
 
 
-def _odds_scale_for(profile: Profile, div: str, k: int, samples: Sequence[BatchAcceptanceSample]) -> float:
-    """The one odds multiplier of the profile's acceptance that best reproduces ``samples``' tokens per
-    row-iteration (least squares weighted by row-iterations, over log-multipliers in [-8, 8])."""
-    from scipy.optimize import minimize_scalar
-
+def _odds_scale_for(profile: Profile, div: str, k: int, sample: BatchAcceptanceSample) -> float:
+    """The odds multiplier of the profile's acceptance at the sample's T whose tokens per row-iteration
+    are the sample's: tokens rise with the multiplier, so a bisection in log-odds over [-8, 8] (held at
+    the ends when the sample lies beyond them)."""
     from sim.profile import shifted_acceptance
 
-    accepts = [profile.position_accept(div, s.threshold, k) for s in samples]
-    measured = np.array([s.tokens_per_row_iteration for s in samples])
-    weights = np.array([s.row_iterations for s in samples], dtype=float)
-
-    def loss(log_scale: float) -> float:
-        scale = math.exp(log_scale)
-        predicted = np.array([1.0 + np.cumprod(shifted_acceptance(a, scale)).sum() for a in accepts])
-        return float(np.sum(weights * (predicted - measured) ** 2))
-
-    result = minimize_scalar(loss, bounds=(-8.0, 8.0), method="bounded", options={"xatol": 1e-6})
-    return math.exp(float(result.x))
+    alpha = profile.position_accept(div, sample.threshold, k)
+    target = sample.tokens_per_row_iteration
+    low, high = -8.0, 8.0
+    for _ in range(60):  # to ~1e-17 in log-odds
+        mid = 0.5 * (low + high)
+        if 1.0 + float(np.cumprod(shifted_acceptance(alpha, math.exp(mid))).sum()) < target:
+            low = mid
+        else:
+            high = mid
+    return math.exp(0.5 * (low + high))
 
 
 def fit_batch_acceptance(
@@ -460,7 +458,7 @@ def fit_batch_acceptance(
     for b, group in by_batch.items():
         if sorted(group) != thresholds:
             raise ValueError(f"batch {b} measured T = {sorted(group)}, the reference batch T = {thresholds}")
-    ref = {t: _odds_scale_for(profile, div, k, [by_batch[reference_batch][t]]) for t in thresholds}
-    scales = {b: [1.0 if b == reference_batch else _odds_scale_for(profile, div, k, [group[t]]) / ref[t]
+    ref = {t: _odds_scale_for(profile, div, k, by_batch[reference_batch][t]) for t in thresholds}
+    scales = {b: [1.0 if b == reference_batch else _odds_scale_for(profile, div, k, group[t]) / ref[t]
                   for t in thresholds] for b, group in sorted(by_batch.items())}
     return BatchAcceptance(reference_batch=reference_batch, thresholds=thresholds, odds_scale=scales, source=source)

@@ -36,8 +36,8 @@ attainment falls below the tier's target (``percentile / 100``) and decays slowl
 
 **Evidence beats prediction**: a tier whose measured attainment (EWMA over pooled completions) is
 ``short_enter`` below its target counts as not meeting, whatever the prediction says, so it is served
-at the fastest point within budget (the objective's "most attainment within budget") until it is back
-within ``short_exit`` of its target.
+at the fastest point within budget (the objective's "most attainment within budget": its budget
+itself, the ``budget_margin`` cushion spent) until it is back within ``short_exit`` of its target.
 
 **Choice** (the objective, with tier coupling): among candidates where every tier with traffic and a
 latency target is predicted to meet it and every tier is within budget (``budget_margin`` below it):
@@ -296,7 +296,8 @@ class ModelPredictivePolicy:
     * ``max_batch`` — sequences per replica batch (the data plane's limit; for the Little's-law batch).
     * ``prompt_tokens`` — typical prompt length for the initial prefill estimate (corrected online).
     * ``initial_margin``, ``margin_gain_up``, ``margin_gain_down``, ``margin_limits`` — the outer loop.
-    * ``budget_margin`` — plan to at most ``(1 − budget_margin) · budget`` (the QualityGuard is the hard stop).
+    * ``budget_margin`` — plan to at most ``(1 − budget_margin) · budget`` (the QualityGuard is the hard
+      stop); a tier measured short plans to its budget itself.
     * ``alpha`` — EWMA weight of the newest window in the model corrections and tier shares.
     * ``rate_decay`` — per-window decay of the sums behind the arrival rate and mean output length.
     * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
@@ -620,6 +621,11 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
+    def _planning_budget(self, i: int, budget: float) -> float:
+        """The distortion tier ``i`` may plan to: ``budget_margin`` below its budget, the budget itself
+        while it is measured short (the objective then asks for the most attainment within budget)."""
+        return budget if self.short[self.tier_names[i]] else (1.0 - self.budget_margin) * budget
+
     def _update_margin(self, name: str, slo_met: int, completions: int) -> None:
         """The outer loop: pool completions until ``min_samples``, then move the tier's margin."""
         tier = self.slo.tiers[name]
@@ -675,7 +681,7 @@ class ModelPredictivePolicy:
             if budget is None:
                 kept.append(tuple(range(c.ks.size)))
             else:
-                ok = c.distortion * self.distortion_correction[i] <= (1.0 - self.budget_margin) * budget + 1e-12
+                ok = c.distortion * self.distortion_correction[i] <= self._planning_budget(i, budget) + 1e-12
                 kept.append(tuple(np.flatnonzero(ok).tolist()))
         pruned = self._prune_by_budget and all(kept)  # else some tier has nothing within budget
         u = self._universe(act, tuple(kept) if pruned else None)
@@ -748,7 +754,7 @@ class ModelPredictivePolicy:
             for i in act_idx:
                 budget = self.slo.tiers[self.tier_names[i]].max_mean_distortion
                 if budget is not None:
-                    within &= distortion[:, i] <= (1.0 - self.budget_margin) * budget + 1e-12
+                    within &= distortion[:, i] <= self._planning_budget(i, budget) + 1e-12
             if not within.any():  # the correction says nothing fits: fall back to least distortion
                 within = distortion.sum(axis=1) <= distortion.sum(axis=1).min() + 1e-12
         # Best-effort tiers (no latency target) still want speed: their share-weighted TPOT comes

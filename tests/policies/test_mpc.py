@@ -350,3 +350,21 @@ def test_acceptance_correction_compares_at_the_windows_batch() -> None:
     economy = aware.tier_names.index("economy")
     assert float(aware.tokens_correction[economy]) == pytest.approx(1.0, abs=0.02)
     assert float(blind.tokens_correction[economy]) < 0.7
+
+
+def test_a_tier_measured_short_spends_its_budget_cushion_until_it_recovers() -> None:
+    """Economy's budget 0.34: its cushion (budget_margin 0.1) ends at 0.306, so the toy model's T = 4
+    (distortion 0.32) is out of the pool until the tier is measured short; then the objective's "most
+    attainment within budget" is the budget itself. Back within its target, the cushion holds again."""
+    slo = make_slo(economy={"max_mean_distortion": 0.34})
+    policy = ModelPredictivePolicy(slo, toy_model(), min_samples=5)
+    chosen: list[tuple[bool, float]] = []
+    for tick in range(40):
+        met = 0 if 3 <= tick < 8 else 10
+        tiers = {**window("standard"), **window("economy", completions=10, slo_met=met)}
+        decision = policy.decide(load(8, queue=20, arrivals=4, tiers=tiers, time_s=float(tick + 1)))
+        chosen.append((policy.short["economy"], decision.thresholds["economy"]))
+    assert all(0.08 * t <= 0.34 for _, t in chosen)
+    assert all(0.08 * t <= 0.306 for short, t in chosen if not short)
+    assert chosen[2] == (False, 2.0) and chosen[3] == (True, 4.0), chosen[:4]
+    assert chosen[-1] == (False, 2.0), "recovered: the cushion holds again"

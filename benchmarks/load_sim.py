@@ -72,13 +72,17 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-7"), help="e.g. 0-7 or 1,5,9")
-    ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH))
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
+    ap.add_argument("--policy-profile", default=None,
+                    help="profile the policies' models come from (default: --profile); another one simulates a "
+                    "controller whose model is off, e.g. the shipped profile on a slower machine")
     ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
     ap.add_argument("--out", default="results/load_sim.json")
     args = ap.parse_args()
     low, high = (float(x) for x in args.rates.split(","))
     slo = load_slo(args.tier, args.tpot_ms)
     profile = Profile.load(args.profile)
+    policy_profile = Profile.load(args.policy_profile) if args.policy_profile else profile
     configs: dict[str, Any] = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     for seed in args.seeds:
@@ -91,7 +95,7 @@ def main() -> int:
                 "output_tokens": {"kind": "fixed", "value": args.max_tokens},
                 "tier_mix": {args.tier: 1.0},
             })
-            policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, profile)
+            policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, policy_profile)
             result = Simulator(SimConfig(seed=seed, replicas=1, max_batch=8, k=4), profile, slo, workload, policy).run()
             tier = result.summary["tiers"][args.tier]
             rows[name].append((float(tier["slo_attainment"]), float(tier.get("mean_distortion") or 0.0)))
@@ -104,7 +108,8 @@ def main() -> int:
         summary.append({"name": name, "spec": {"policy": "static" if static else "adaptive"}, "policy_spec": spec,
                         "slo_attainment": attainment, "attainment_ci95": attainment_ci,
                         "mean_distortion_per_token": distortion, "distortion_ci95": distortion_ci})
-    out = {"benchmark": "load_sim", "profile": Path(args.profile).name, "tier": args.tier, "tpot_ms": args.tpot_ms,
+    out = {"benchmark": "load_sim", "profile": Path(args.profile).name,
+           "policy_profile": Path(args.policy_profile or args.profile).name, "tier": args.tier, "tpot_ms": args.tpot_ms,
            "rates_rps": [low, high, low], "phase_s": args.phase_s, "seeds": args.seeds,
            "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
            "criterion": criterion(summary, slo.tiers[args.tier].model_dump())}

@@ -57,6 +57,8 @@ def main() -> int:
     ap.add_argument("--batches", type=_ints, default=(1, 2, 8))
     ap.add_argument("--thresholds", type=_floats, default=(0.0, 1.0))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a serving replica's default: 1)")
+    ap.add_argument("--draft-dtype", default=None,
+                    help="draft dtype override: int8 (per-tensor activations), int8-row (per-row: batch-invariant) or a float dtype")
     ap.add_argument("--prompts", type=int, default=None,
                     help="calibration prompts per (batch, T) (default: the shipped calibration's; at most 16)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
@@ -130,8 +132,10 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from sim.profile_fit import fit_profile
 
     torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair)
-    out: dict[str, Any] = {"benchmark": "acceptance_by_batch", "pair": pair.name,
+    pair = load_pair(args.pair, draft_dtype=args.draft_dtype)
+    from decoder.models import describe_dtype
+
+    out: dict[str, Any] = {"benchmark": "acceptance_by_batch", "pair": pair.name, "draft": describe_dtype(pair.draft),
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "torch_threads": torch.get_num_threads(), "command": command}
 

@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default="", help="comma list of setting names to keep (default: all)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--draft-dtype", default=None,
+                    help="draft dtype override: int8 (per-tensor activations), int8-row (per-row: batch-invariant) or a float dtype")
     parser.add_argument("--reps", type=int, default=10, help="repetitions for the raw forward timings")
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over the prompts (more paired samples for the per-run ratios' CIs)")
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown mode in --modes {args.modes!r}; use greedy and/or sample")
 
     load_start = time.perf_counter()
-    pair = load_pair(args.pair)
+    pair = load_pair(args.pair, draft_dtype=args.draft_dtype)
     load_s = time.perf_counter() - load_start
     prompts = [pair.encode_prompt(p) for p in PROMPTS[: args.prompts]]
     settings = build_settings(thresholds, divs, pure_thresholds, hf=not args.no_hf)

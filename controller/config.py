@@ -51,7 +51,7 @@ class ModelConfig(_Section):
 
     pair: str = Field("smollm2-135m", description="pair name for decoder.models.load_pair; 'tiny' = test pair")
     dtype: str | None = Field(None, description="target compute dtype (fp32, bf16…; None = the pair's)")
-    draft_dtype: str | None = Field(None, description="draft dtype, or 'int8' (None = the pair's)")
+    draft_dtype: str | None = Field(None, description="draft dtype: a float dtype, 'int8' or 'int8-row' (None = the pair's)")
     seed: int = Field(0, description="seed of the tiny test pair and of the engine's request seeds")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="draft length k")
     div: str = Field("kl", min_length=1, description="divergence D compared with T (decoder's names)")

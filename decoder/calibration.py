@@ -636,17 +636,9 @@ def _load_average() -> tuple[float, float, float] | None:
 
 
 def _describe_dtypes(pair: ModelPair) -> str:
-    import torch
+    from decoder.models import describe_dtype
 
-    from decoder.models import is_int8_dynamic
-
-    def describe(model: Any) -> str:
-        if is_int8_dynamic(model):
-            return "int8 dynamic"
-        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        return names.get(model.dtype, str(model.dtype))
-
-    return f"target {describe(pair.target)} / draft {describe(pair.draft)}"
+    return f"target {describe_dtype(pair.target)} / draft {describe_dtype(pair.draft)}"
 
 
 @dataclass(frozen=True)

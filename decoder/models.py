@@ -50,6 +50,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 INT8_DYNAMIC = "int8"
+#: Dynamic int8 with one activation scale per row (token) instead of per tensor: batch-invariant.
+INT8_PER_ROW = "int8-row"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,7 +238,11 @@ def resolve_dtype(dtype: DTypeLike, default: torch.dtype) -> torch.dtype:
 
 
 def _is_int8(dtype: DTypeLike) -> bool:
-    return isinstance(dtype, str) and dtype.lower() in (INT8_DYNAMIC, "qint8", "int8-dynamic")
+    return isinstance(dtype, str) and dtype.lower() in (INT8_DYNAMIC, "qint8", "int8-dynamic", INT8_PER_ROW)
+
+
+def _is_int8_per_row(dtype: DTypeLike) -> bool:
+    return isinstance(dtype, str) and dtype.lower() == INT8_PER_ROW
 
 
 def quantize_int8_dynamic(model: PreTrainedModel) -> PreTrainedModel:
@@ -258,11 +264,78 @@ def quantize_int8_dynamic(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+class RowScaledInt8Linear(torch.nn.Module):
+    """A dynamic int8 ``nn.Linear`` that quantizes each row (token) of its input with its own scale.
+
+    torch's dynamic int8 Linear takes one activation scale for the whole input tensor, so in a batch a
+    row's output depends on the other rows' magnitudes (a row beside a large one loses precision): a
+    draft built that way accepts differently depending on which requests share its batch. Here each
+    row is divided by its own max |x| first, and an anchor row holding exactly ±1 fixes the tensor's
+    range at [−1, 1], so the quantization grid, and every row's output, is the same whatever else is
+    in the batch (bit for bit); the row's scale and the bias are applied after the int8 product.
+    """
+
+    anchor: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        if linear.in_features < 2:
+            raise ValueError(f"RowScaledInt8Linear needs in_features >= 2, got {linear.in_features}")
+        plain = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
+        plain.weight = torch.nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        with warnings.catch_warnings():
+            # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here.
+            for category in (DeprecationWarning, FutureWarning, UserWarning):
+                warnings.simplefilter("ignore", category)
+            from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+            # from_float reads the qconfig the module carries (torch's own default for dynamic int8).
+            plain.qconfig = torch.ao.quantization.default_dynamic_qconfig  # type: ignore[assignment]
+            self.inner = DynamicQuantizedLinear.from_float(plain)  # type: ignore[no-untyped-call]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
+        anchor = torch.zeros(1, linear.in_features)
+        anchor[0, 0], anchor[0, 1] = 1.0, -1.0
+        self.register_buffer("anchor", anchor, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        scale = flat.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(flat.dtype).tiny)
+        product: torch.Tensor = self.inner(torch.cat((flat / scale, self.anchor)))
+        out = product[:-1] * scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8_per_row(model: PreTrainedModel) -> PreTrainedModel:
+    """Replace ``model``'s ``nn.Linear`` layers by :class:`RowScaledInt8Linear` in place (fp32 first):
+    int8 weights and per-row dynamic activations, so a row's output does not depend on its batch."""
+    model = model.float()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.float is unannotated
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, RowScaledInt8Linear(child))
+    return model
+
+
 def is_int8_dynamic(model: torch.nn.Module) -> bool:
-    """Whether any of ``model``'s layers is a dynamic int8 quantized Linear."""
+    """Whether any of ``model``'s layers is a dynamic int8 quantized Linear (per tensor or per row)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-    return any(isinstance(m, DynamicQuantizedLinear) for m in model.modules())
+    return any(isinstance(m, DynamicQuantizedLinear | RowScaledInt8Linear) for m in model.modules())
+
+
+def describe_dtype(model: torch.nn.Module) -> str:
+    """A model's weights in words: ``fp32`` / ``bf16`` / ``fp16``, ``int8 dynamic`` or ``int8 per row``."""
+    if any(isinstance(m, RowScaledInt8Linear) for m in model.modules()):
+        return "int8 per row"
+    if is_int8_dynamic(model):
+        return "int8 dynamic"
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _to(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -279,12 +352,6 @@ def _freeze(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def _describe_dtype(model: PreTrainedModel) -> str:
-    if is_int8_dynamic(model):
-        return "int8 dynamic"
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-        model.dtype, str(model.dtype)
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -421,12 +488,15 @@ def _check_draft_dtype(draft_dtype: DTypeLike) -> None:
         resolve_dtype(draft_dtype, torch.float32)
     except ValueError:
         raise ValueError(
-            f"unknown draft dtype {draft_dtype!r}; use {INT8_DYNAMIC!r} (dynamic int8) or one of {sorted(_DTYPE_NAMES)}"
+            f"unknown draft dtype {draft_dtype!r}; use {INT8_DYNAMIC!r} (dynamic int8), {INT8_PER_ROW!r} (dynamic "
+            f"int8 with per-row activation scales: batch-invariant) or one of {sorted(_DTYPE_NAMES)}"
         ) from None
 
 
 def _make_draft(model: PreTrainedModel, draft_dtype: DTypeLike, *, copy_of: bool) -> PreTrainedModel:
     draft = copy.deepcopy(model) if copy_of else model
+    if _is_int8_per_row(draft_dtype):
+        return quantize_int8_per_row(draft)
     if _is_int8(draft_dtype):
         return quantize_int8_dynamic(draft)
     return _to(draft, resolve_dtype(draft_dtype, model.dtype))
@@ -450,7 +520,7 @@ def _assemble(
         name=name,
         max_context=max_context,
         eos_token_ids=eos_token_ids_for(tokenizer, target),
-        description=description or f"{name}: target {_describe_dtype(target)} → draft {_describe_dtype(draft)}",
+        description=description or f"{name}: target {describe_dtype(target)} → draft {describe_dtype(draft)}",
     )
 
 

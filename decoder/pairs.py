@@ -38,6 +38,7 @@ from decoder.models import (
     _load_hf,
     _make_draft,
     check_tokenizers_match,
+    describe_dtype,
     load_custom_pair,
     resolve_dtype,
     tiny_pair,
@@ -85,6 +86,13 @@ class PairSpec:
 # --------------------------------------------------------------------------------------------------
 
 
+def _described(spec: PairSpec, options: LoadOptions, target: torch.nn.Module, draft: torch.nn.Module) -> str:
+    """The pair's description, with the dtypes actually loaded when an option overrode the pair's."""
+    if options.dtype is None and options.draft_dtype is None:
+        return spec.description
+    return f"{spec.description} (overridden: target {describe_dtype(target)}, draft {describe_dtype(draft)})"
+
+
 def _load_smollm2(spec: PairSpec, options: LoadOptions) -> ModelPair:
     target_dtype = resolve_dtype(options.dtype, spec.target_dtype)
     wanted_draft = spec.draft_dtype if options.draft_dtype is None else options.draft_dtype
@@ -93,7 +101,7 @@ def _load_smollm2(spec: PairSpec, options: LoadOptions) -> ModelPair:
     base, tokenizer = model_fetch.load_smollm2(spec.name, torch.float32)
     draft = _make_draft(base, wanted_draft, copy_of=True)
     target = base.to(target_dtype)  # type: ignore[arg-type]  # transformers types .to's wrapper oddly
-    return _assemble(spec.name, target, draft, tokenizer, spec.description)
+    return _assemble(spec.name, target, draft, tokenizer, _described(spec, options, target, draft))
 
 
 def _load_fetched(spec: PairSpec, options: LoadOptions) -> ModelPair:
@@ -106,7 +114,7 @@ def _load_fetched(spec: PairSpec, options: LoadOptions) -> ModelPair:
     draft_model, draft_tok = _load_hf(str(draft_dir), draft_float)
     check_tokenizers_match(tokenizer, draft_tok)
     draft = _make_draft(draft_model, wanted_draft, copy_of=False)
-    return _assemble(spec.name, target, draft, tokenizer, spec.description)
+    return _assemble(spec.name, target, draft, tokenizer, _described(spec, options, target, draft))
 
 
 def _load_tiny(spec: PairSpec, options: LoadOptions) -> ModelPair:

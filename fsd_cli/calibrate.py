@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--threads", type=int, default=1, help="torch threads (default 1, a serving replica's default)"
     )
     parser.add_argument("--dtype", help="target dtype override (fp32, bf16, ...)")
-    parser.add_argument("--draft-dtype", help="draft dtype override (a float dtype or int8)")
+    parser.add_argument("--draft-dtype", help="draft dtype override (a float dtype, int8 or int8-row)")
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),

@@ -11,9 +11,13 @@ import torch
 
 from decoder.models import (
     ModelPair,
+    RowScaledInt8Linear,
     cache_dir,
     check_tokenizers_match,
+    describe_dtype,
     is_int8_dynamic,
+    quantize_int8_dynamic,
+    quantize_int8_per_row,
     resolve_dtype,
     tiny_pair,
     tiny_tokenizer,
@@ -255,6 +259,57 @@ def test_load_custom_pair_comma_string_with_int8_draft(tiny_dirs: tuple[Path, Pa
     assert pair.target.dtype == torch.bfloat16
     assert is_int8_dynamic(pair.draft)
     assert not is_int8_dynamic(pair.target)
+
+
+def test_load_custom_pair_with_a_per_row_int8_draft(tiny_dirs: tuple[Path, Path, ModelPair]) -> None:
+    target_dir, draft_dir, original = tiny_dirs
+    pair = load_pair(f"{target_dir},{draft_dir}", draft_dtype="int8-row")
+    assert describe_dtype(pair.draft) == "int8 per row" and describe_dtype(pair.target) == "fp32"
+    assert is_int8_dynamic(pair.draft) and "draft int8 per row" in pair.description
+    assert _sd_acceptance(pair, 0) == pytest.approx(_sd_acceptance(original, 0), abs=0.05)
+
+
+def _rows_alone_and_batched(model: torch.nn.Module, contexts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        batched = model(contexts).logits
+        alone = torch.cat([model(contexts[i : i + 1]).logits for i in range(contexts.shape[0])])
+    return batched, alone
+
+
+def test_per_row_int8_draft_is_batch_invariant_where_per_tensor_int8_is_not() -> None:
+    """torch's dynamic int8 Linear quantizes activations with one scale per input tensor, so a row's
+    logits move with the rest of its batch; the per-row draft gives every row bit-identical logits
+    alone and in a batch, at the precision of the per-tensor one (both near the fp32 model's)."""
+    import copy
+
+    pair = tiny_pair(seed=2)
+    contexts = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
+    per_row = quantize_int8_per_row(copy.deepcopy(pair.target))
+    per_tensor = quantize_int8_dynamic(copy.deepcopy(pair.target))
+    assert any(isinstance(m, RowScaledInt8Linear) for m in per_row.modules())
+    batched, alone = _rows_alone_and_batched(per_row, contexts)
+    assert torch.equal(batched, alone)
+    batched_t, alone_t = _rows_alone_and_batched(per_tensor, contexts)
+    assert not torch.equal(batched_t, alone_t), "per-tensor scales: the batch moves a row (else this test proves nothing)"
+    with torch.inference_mode():
+        exact = pair.target(contexts).logits
+    err_row, err_tensor = (batched - exact).abs().mean(), (batched_t - exact).abs().mean()
+    assert err_row <= 1.5 * err_tensor, (float(err_row), float(err_tensor))
+
+
+def test_per_row_linear_matches_the_float_layer_and_rejects_a_one_wide_input() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    layer = RowScaledInt8Linear(linear)
+    x = torch.randn(3, 5, 64) * torch.tensor([0.01, 1.0, 100.0]).view(3, 1, 1)  # rows four decades apart
+    with torch.inference_mode():
+        out, exact = layer(x), linear(x)
+    assert out.shape == exact.shape == (3, 5, 32)
+    # Relative to each row's own size: per-row scales keep small rows as precise as large ones.
+    rel = ((out - exact).norm(dim=-1) / exact.norm(dim=-1)).max()
+    assert rel < 0.05, float(rel)
+    with pytest.raises(ValueError, match="in_features >= 2, got 1"):
+        RowScaledInt8Linear(torch.nn.Linear(1, 4))
 
 
 def test_load_custom_pair_refuses_mismatched_tokenizers(tiny_dirs: tuple[Path, Path, ModelPair]) -> None:

@@ -70,14 +70,30 @@ def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec,
     return policy, (normalised if isinstance(normalised, dict) else {"policy": normalised})
 
 
-def served_operating_model(pair: str, div: str, profile_path: str | None = None) -> tuple[OperatingModel | None, str]:
+def served_operating_model(pair: str, div: str, profile_path: str | None = None,
+                           draft_dtype: str | None = None) -> tuple[OperatingModel | None, str]:
     """The model-predictive policy's model of the served pair: from ``profile_path`` when given (a
     profile calibrated on the serving machine; ValueError naming it when it cannot be read), else from
     its calibrated profile ``sim/profiles/<pair>.json`` when there is one (the configured divergence
     where the profile has it), else None (the policy's default, the default pair's model). Also a line
-    saying which, for status."""
+    saying which, for status; with a ``draft_dtype`` override the profile was not calibrated with, the
+    line (and the log) says so: its acceptance is another draft's."""
     from policies.mpc import DEFAULT_MODEL_PATH
     from sim.profile import PROFILES_DIR, Profile
+
+    def checked(profile: Profile, line: str) -> str:
+        if draft_dtype is None:
+            return line
+        from decoder.models import describe_dtype_name
+
+        served = describe_dtype_name(draft_dtype)
+        if profile.provenance.dtype.endswith(f"draft {served}"):
+            return line
+        warning = (f"; WARNING: calibrated with {profile.provenance.dtype or 'an unstated draft'}, serving draft "
+                   f"{served}: set control.profile to a profile calibrated with it (fsd calibrate --draft-dtype "
+                   f"{draft_dtype})")
+        logger.warning("operating model: %s%s", line, warning)
+        return line + warning
 
     if profile_path is not None:
         try:
@@ -86,8 +102,8 @@ def served_operating_model(pair: str, div: str, profile_path: str | None = None)
             raise ValueError(f"control.profile: {exc}") from None
         use_div = div if div in profile.divs() else profile.default_div
         return (profile.to_operating_model(div=use_div),
-                f"control.profile {profile_path} ({profile.provenance.pair}; div {use_div}; k = 0 "
-                f"{profile.plain_decoding_source})")
+                checked(profile, f"control.profile {profile_path} ({profile.provenance.pair}; div {use_div}; k = 0 "
+                                 f"{profile.plain_decoding_source})"))
     path = PROFILES_DIR / f"{pair}.json"
     if Path(pair).name != pair or not path.is_file():
         return None, (f"default model policies/models/{DEFAULT_MODEL_PATH.name} (the default pair's): no "
@@ -95,8 +111,8 @@ def served_operating_model(pair: str, div: str, profile_path: str | None = None)
     profile = Profile.load(path)
     use_div = div if div in profile.divs() else profile.default_div
     return (profile.to_operating_model(div=use_div),
-            f"calibrated profile sim/profiles/{path.name} of the served pair (div {use_div}; k = 0 "
-            f"{profile.plain_decoding_source})")
+            checked(profile, f"calibrated profile sim/profiles/{path.name} of the served pair (div {use_div}; k = 0 "
+                             f"{profile.plain_decoding_source})"))
 
 
 def describe_policy(policy: Policy | None, spec: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -210,7 +226,7 @@ class FSDController:
         self._replicas = replicas
         self._slo = self._cfg.slo
         self._operating_model, self._operating_model_source = served_operating_model(
-            self._cfg.model.pair, self._cfg.model.div, self._cfg.control.profile)
+            self._cfg.model.pair, self._cfg.model.div, self._cfg.control.profile, self._cfg.model.draft_dtype)
         # Serve's replica bounds when the policy's Decision.replicas drives its autoscaler (else None).
         self._replica_bounds = steered_replica_bounds(self._cfg)
         self._policy, self._policy_spec = self._build(self._cfg.control.policy, self._slo)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import time
 import warnings
@@ -272,7 +273,10 @@ class RowScaledInt8Linear(torch.nn.Module):
     draft built that way accepts differently depending on which requests share its batch. Here each
     row is divided by its own max |x| first, and an anchor row holding exactly ±1 fixes the tensor's
     range at [−1, 1], so the quantization grid, and every row's output, is the same whatever else is
-    in the batch (bit for bit); the row's scale and the bias are applied after the int8 product.
+    in the batch (bit for bit, for finite rows; a non-finite row comes back NaN without touching the
+    others); the row's scale and the bias are applied after the int8 product. The grid is symmetric,
+    so a one-sided row uses half of it: per row is more precise than per tensor beside larger rows,
+    and up to ~1.7x less precise for a one-sided row alone.
     """
 
     anchor: torch.Tensor
@@ -282,7 +286,7 @@ class RowScaledInt8Linear(torch.nn.Module):
         super().__init__()
         if linear.in_features < 2:
             raise ValueError(f"RowScaledInt8Linear needs in_features >= 2, got {linear.in_features}")
-        plain = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
+        plain = torch.nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")  # no init
         plain.weight = torch.nn.Parameter(linear.weight.detach().float(), requires_grad=False)
         with warnings.catch_warnings():
             # torch.ao.quantization is deprecated in favour of torchao, which is not a dependency here.
@@ -302,12 +306,20 @@ class RowScaledInt8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        scale = flat.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(flat.dtype).tiny)
+        scale = flat.abs().amax(dim=-1, keepdim=True)
+        if not bool(torch.isfinite(scale).all()):
+            # A NaN / inf row would put NaN into the kernel's range search (which then raises, or
+            # corrupts the other rows): run it as zeros and hand it back as NaN, the others untouched.
+            bad = ~torch.isfinite(scale)
+            out = self._finite(torch.where(bad, 0.0, flat), torch.where(bad, 0.0, scale))
+            return out.masked_fill(bad, math.nan).reshape(*x.shape[:-1], self.out_features)
+        return self._finite(flat, scale).reshape(*x.shape[:-1], self.out_features)
+
+    def _finite(self, flat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scale = scale.clamp_min(torch.finfo(flat.dtype).tiny)
         product: torch.Tensor = self.inner(torch.cat((flat / scale, self.anchor)))
         out = product[:-1] * scale
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
 
 
 def quantize_int8_per_row(model: PreTrainedModel) -> PreTrainedModel:
@@ -326,6 +338,17 @@ def is_int8_dynamic(model: torch.nn.Module) -> bool:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
     return any(isinstance(m, DynamicQuantizedLinear | RowScaledInt8Linear) for m in model.modules())
+
+
+def describe_dtype_name(dtype: DTypeLike) -> str:
+    """What :func:`describe_dtype` says of a model loaded with ``dtype`` (a name or a torch dtype);
+    ValueError for an unknown name."""
+    if _is_int8_per_row(dtype):
+        return "int8 per row"
+    if _is_int8(dtype):
+        return "int8 dynamic"
+    resolved = resolve_dtype(dtype, torch.float32)
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[resolved]
 
 
 def describe_dtype(model: torch.nn.Module) -> str:

@@ -221,8 +221,9 @@ POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 #: The previous default, a PID on the live mean TPOT 25 % under target, is
 #: {"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}.
 #: Its quality guard is a safety net, not a second budget: the policy already keeps each tier
-#: ``budget_margin`` under its budget with a measured correction of its distortion model, so the guard
-#: backs off only when a ~10-window average (``alpha`` 0.1) exceeds the budget itself (``margin`` 0).
+#: ``budget_margin`` under its budget with a measured correction of its distortion model (a tier measured
+#: short plans to the budget itself), so the guard backs off only when a ~10-window average (``alpha``
+#: 0.1) exceeds the budget itself (``margin`` 0).
 #: At the default guard (one-window-weighted estimate against 0.9 x budget) it fired on the
 #: noise of the points the policy picks deliberately within budget (an economy tier at 0.29 of 0.35).
 DEFAULT_POLICY_SPEC: dict[str, Any] = {"policy": "mpc", "guards": {"quality": {"alpha": 0.1, "margin": 0.0}}}

@@ -308,6 +308,16 @@ def test_per_row_linear_matches_the_float_layer_and_rejects_a_one_wide_input() -
     # Relative to each row's own size: per-row scales keep small rows as precise as large ones.
     rel = ((out - exact).norm(dim=-1) / exact.norm(dim=-1)).max()
     assert rel < 0.05, float(rel)
+    # A non-finite row comes back NaN; the other rows are exactly what they are without it.
+    broken = x.clone()
+    broken[1, 2, 7] = float("nan")
+    broken[2, 0, 3] = float("inf")
+    with torch.inference_mode():
+        out_broken = layer(broken)
+    assert torch.isnan(out_broken[1, 2]).all() and torch.isnan(out_broken[2, 0]).all()
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[1, 2] = keep[2, 0] = False
+    assert torch.equal(out_broken[keep], out[keep])
     with pytest.raises(ValueError, match="in_features >= 2, got 1"):
         RowScaledInt8Linear(torch.nn.Linear(1, 4))
 

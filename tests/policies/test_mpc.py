@@ -268,11 +268,15 @@ def test_budget_pruned_search_chooses_what_the_full_search_chooses() -> None:
     fast, full = ModelPredictivePolicy(slo, toy_model()), ModelPredictivePolicy(slo, toy_model())
     full._prune_by_budget = False
     rng = np.random.default_rng(3)
+    short_seen = set()
     for tick in range(120):
         done = int(rng.integers(0, 12))
+        # Ticks 20-39 and 80-99 meet their targets (tiers recover from short: the cushioned budget),
+        # the others miss about half (short tiers plan to the budget itself).
+        met = done if (tick // 20) % 2 == 1 else int(rng.integers(0, done + 1))
         tiers = {
             name: make_tier_window((1.0, 2.0, 4.0)[tick // 40], completions=done,
-                                   slo_met=int(rng.integers(0, done + 1)), draft_length=2,
+                                   slo_met=met, draft_length=2,
                                    sequence_iterations=int(rng.integers(150, 400)),
                                    mean_distortion=float(rng.uniform(0.0, 0.3)), output_tokens=400)
             for name in ("standard", "economy")
@@ -280,7 +284,9 @@ def test_budget_pruned_search_chooses_what_the_full_search_chooses() -> None:
         telemetry = load(in_flight=int(rng.integers(0, 30)), queue=int(rng.integers(0, 10)),
                          arrivals=int(rng.integers(0, 8)), time_s=float(tick + 1), tiers=tiers)
         assert fast.decide(telemetry) == full.decide(telemetry), f"tick {tick}"
+        short_seen.add(fast.short["economy"])
     assert len(fast._universe_cache) > 1, "the pruning never pruned: the test would not test it"
+    assert short_seen == {True, False}, "both budgets (cushioned and, while short, the whole) must be exercised"
 
 
 def _batch_model(falling: float) -> OperatingModel:
@@ -364,7 +370,6 @@ def test_a_tier_measured_short_spends_its_budget_cushion_until_it_recovers() -> 
         tiers = {**window("standard"), **window("economy", completions=10, slo_met=met)}
         decision = policy.decide(load(8, queue=20, arrivals=4, tiers=tiers, time_s=float(tick + 1)))
         chosen.append((policy.short["economy"], decision.thresholds["economy"]))
-    assert all(0.08 * t <= 0.34 for _, t in chosen)
     assert all(0.08 * t <= 0.306 for short, t in chosen if not short)
     assert chosen[2] == (False, 2.0) and chosen[3] == (True, 4.0), chosen[:4]
     assert chosen[-1] == (False, 2.0), "recovered: the cushion holds again"

@@ -53,6 +53,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 INT8_DYNAMIC = "int8"
 #: Dynamic int8 with one activation scale per row (token) instead of per tensor: batch-invariant.
 INT8_PER_ROW = "int8-row"
+_FLOAT_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # describe_dtype's words
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ def describe_dtype_name(dtype: DTypeLike) -> str:
     if _is_int8(dtype):
         return "int8 dynamic"
     resolved = resolve_dtype(dtype, torch.float32)
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[resolved]
+    return _FLOAT_WORDS[resolved]
 
 
 def describe_dtype(model: torch.nn.Module) -> str:
@@ -358,7 +359,7 @@ def describe_dtype(model: torch.nn.Module) -> str:
     if is_int8_dynamic(model):
         return "int8 dynamic"
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return _FLOAT_WORDS.get(dtype, str(dtype))
 
 
 def _to(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -373,8 +374,6 @@ def _freeze(model: PreTrainedModel) -> PreTrainedModel:
     for param in model.parameters():
         param.requires_grad_(False)
     return model
-
-
 
 
 # --------------------------------------------------------------------------------------------------

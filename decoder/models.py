@@ -317,8 +317,8 @@ class RowScaledInt8Linear(torch.nn.Module):
         # The inner module's forward minus its checks: its packed int8 weight, and the reduced-range
         # activation grid torch's dynamic Linear (version >= 4) uses.
         packed = self.inner._packed_params._packed_params
-        product = torch.ops.quantized.linear_dynamic(scaled, packed, reduce_range=True)
-        out = product[:-1] * scale
+        product: torch.Tensor = torch.ops.quantized.linear_dynamic(scaled, packed, reduce_range=True)
+        out: torch.Tensor = product[:-1] * scale
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

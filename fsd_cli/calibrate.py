@@ -128,7 +128,9 @@ def calibrate(pair: ModelPair, settings: CalibrationSettings, *, command: str = 
               log: Callable[[str], None] | None = None, acceptance_from: Profile | None = None) -> Profile:
     """Measure ``pair`` (decoder/calibration.py) and fit its Profile (sim/profile_fit.py).
 
-    ``acceptance_from``: an earlier calibrated ``Profile`` of the same pair whose acceptance data is reused.
+    ``acceptance_from``: an earlier calibrated ``Profile`` of the same pair whose acceptance data is reused,
+    with its separately measured acceptance sections (per-request spread, batch multipliers): only the
+    latency is measured again.
     """
     from decoder.calibration import EarlierCalibration, measure
     from sim.profile_fit import fit_profile
@@ -138,7 +140,11 @@ def calibrate(pair: ModelPair, settings: CalibrationSettings, *, command: str = 
         earlier = EarlierCalibration(source=acceptance_from.provenance.source, pair=acceptance_from.provenance.pair,
                                      date=acceptance_from.provenance.date, calibration=acceptance_from.calibration)
     measurement = measure(pair, settings, progress=progress, log=log, acceptance_from=earlier)
-    return fit_profile(measurement, command=command)
+    profile = fit_profile(measurement, command=command)
+    if acceptance_from is None:
+        return profile
+    return profile.model_copy(update={"request_acceptance": acceptance_from.request_acceptance,
+                                      "batch_acceptance": acceptance_from.batch_acceptance})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -308,8 +308,13 @@ def test_acceptance_can_be_reused_and_only_latency_remeasured(tiny_profile: Prof
 
     settings = CalibrationSettings.quick(batch_sizes=(1, 2), timing_iterations=1, clock="cpu",
                                          timing_prompt_tokens=16, prefill_lengths=(16,))
-    again = calibrate(tiny_pair(), settings, acceptance_from=tiny_profile)
-    assert again.acceptance == tiny_profile.acceptance
+    # Its separately measured acceptance sections come along too (else a latency-only recalibration
+    # silently drops the per-request spread).
+    from sim.profile import RequestAcceptance
+
+    spread = RequestAcceptance(concentration=12.0, source="test")
+    again = calibrate(tiny_pair(), settings, acceptance_from=tiny_profile.model_copy(update={"request_acceptance": spread}))
+    assert again.acceptance == tiny_profile.acceptance and again.request_acceptance == spread
     record = CalibrationRecord.model_validate(again.calibration)
     assert record.settings.clock == "cpu" and record.settings.divs == ("kl", "js")
     assert {(s.k, s.batch) for s in record.latency if s.phase == "decode"} == {(0, 1), (0, 2), (4, 1), (4, 2)}

@@ -459,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulator leg: comma-separated profile sections to drop (batch_acceptance, "
                    "request_acceptance) — the model without them, for a before/after; with --resim the command "
                    "line's value is used")
+    p.add_argument("--latency-from", default=None, metavar="PROFILE[,PROFILE]",
+                   help="simulator leg: the latency model of these profiles (the mean of their coefficients), "
+                   "acceptance from --profile — e.g. latency-only calibrations (fsd calibrate --acceptance-from) "
+                   "taken just before and just after the real leg, so the machine's drift in speed during the "
+                   "run does not count as the simulator's error; with --resim the command line's value is used")
     p.add_argument("--resim", default=None, metavar="REPORT",
                    help="no service: re-run only the simulator leg on the real requests stored in an earlier "
                    "report (its settings apply; --profile, --out and --png may differ)")
@@ -508,6 +513,8 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
             raise ValueError(f"--request-acceptance must be a finite κ > 0, got {args.request_acceptance}")
         profile = profile.model_copy(update={"request_acceptance": RequestAcceptance(
             concentration=args.request_acceptance, source="benchmarks/fidelity.py --request-acceptance")})
+    if args.latency_from:
+        profile = profile.model_copy(update={"latency": mean_latency(args.latency_from)})
     if args.prompt_count is None and profile.calibration is not None:
         from decoder.calibration import CalibrationRecord
 
@@ -536,6 +543,36 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
         "http": {"port": port, "admin_token": token, "request_timeout_s": args.request_timeout},
     })
     return Setup(profile, profile_path, slo, policy, list(slo.tiers), cfg, token)
+
+
+def mean_latency(paths: str) -> Any:
+    """The coefficient-wise mean of the latency models of the comma-separated profiles (ValueError
+    naming a bad one). Step and prefill times are linear in the coefficients, so the mean model predicts
+    the mean of the models' predictions: bracketing a run by calibrations before and after it."""
+    from sim.profile import LatencyModel, Profile
+
+    names = [name.strip() for name in paths.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"--latency-from: no profile in {paths!r}")
+    models = []
+    for name in names:
+        try:
+            models.append(Profile.load(name).latency)
+        except ValueError as exc:
+            raise ValueError(f"--latency-from: {exc}") from None
+    data = [m.model_dump() for m in models]
+    out: dict[str, Any] = {"iteration_time_dist": data[0]["iteration_time_dist"]}
+    for key in data[0]:
+        if key == "iteration_time_dist":
+            continue
+        values = [d[key] for d in data]
+        if any(v is None for v in values):
+            if not all(v is None for v in values):
+                raise ValueError(f"--latency-from: {key} is measured in some profiles and not in others")
+            out[key] = None
+        else:
+            out[key] = float(np.mean(values))
+    return LatencyModel.model_validate(out)
 
 
 def run_scenarios(url: str, st: Setup, args: argparse.Namespace) -> dict[str, Any]:
@@ -593,6 +630,7 @@ def assemble_report(scenarios: list[dict[str, Any]], st: Setup, args: argparse.N
         "pair": args.pair,
         "profile": _repo_relative(st.profile_path),
         "profile_provenance": st.profile.provenance.model_dump(),
+        "latency": st.profile.latency.model_dump(),  # the simulator leg's (--latency-from may replace the profile's)
         "policy": st.policy,
         "tier": args.tier,
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
@@ -634,7 +672,8 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc!r}") from None
     keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim,
-            "request_acceptance": args.request_acceptance, "without": args.without}
+            "request_acceptance": args.request_acceptance, "without": args.without,
+            "latency_from": args.latency_from}
     known = vars(build_parser().parse_args([]))
     for key, value in settings.items():
         if key in known and key not in keep:

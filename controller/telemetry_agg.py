@@ -217,6 +217,7 @@ class TelemetryAggregator:
             draft_length=default_k,
             mean_iteration_ms=decode_s / totals.iterations * 1e3 if totals.iterations > 0 else math.nan,
             mean_batch_size=totals.row_iterations / totals.iterations if totals.iterations > 0 else math.nan,
+            prefill_ms=totals.prefill_time_s * 1e3,
             age_s=age_s,
             tiers=tiers_out,
         )

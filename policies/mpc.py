@@ -23,10 +23,13 @@ hand.
   B), planned at its upper quantile ``B̄ + z·sqrt(B̄)`` (a request lives through the batch's Poisson
   fluctuations); at least the running batch measured now; no solution below ``max_batch`` ⇒ the
   candidate is overloaded (queue grows; TTFT unbounded);
-* ``TPOT_τ = step / n_τ / (1 − λ·prefill)`` (joiners' prefills stall the batch);
+* ``TPOT_τ = step / n_τ / (1 − λ·prefill)`` (joiners' prefills stall the batch), ``prefill`` the
+  measured prefill wall time per admitted request (``Telemetry.prefill_ms`` over admissions, decayed
+  sums; joiners admitted together share a prefill);
   ``TTFT_τ = wait + step + prefill_τ`` where ``wait`` drains the queue ahead
   at the candidate's request rate and ``prefill_τ`` is learned (EWMA of measured p50 TTFT minus the
-  predicted wait and step, starting from the model's prefill of ``prompt_tokens``);
+  predicted wait and step, from requests that never saw a queue, starting from the model's prefill of
+  ``prompt_tokens``; also the stall's prefill until one is measured);
 * distortion ``d_τ`` from the model at (T_τ, k_τ) times an online correction (measured / modelled).
 
 **Outer loop on attainment**: predictions are means; a tier's targets are met when ``m_τ · TPOT_τ <=
@@ -477,6 +480,9 @@ class ModelPredictivePolicy:
         self.total_arrival_rate = math.nan  # whole fleet, req/s
         self.mean_output_tokens = math.nan
         self._arrivals_sum = self._time_sum = self._tokens_sum = self._completions_sum = 0.0
+        # Measured prefill wall time and the admissions it served, as decayed sums (Telemetry.prefill_ms).
+        self._prefill_sum = self._prefill_requests = 0.0
+        self._queue_seen_s = -math.inf  # the last window that closed with a queue
         self.replicas_wanted: int | None = None  # the count asked for last (Decision.replicas)
         self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
         # Evidence for the acceptance and distortion corrections not yet used, per tier: [measured sum,
@@ -529,6 +535,11 @@ class ModelPredictivePolicy:
         self._time_sum = d * self._time_sum + telemetry.window_s
         self.total_arrival_rate = self._arrivals_sum / self._time_sum
         self.arrival_rate = self.total_arrival_rate / replicas
+        if math.isfinite(telemetry.prefill_ms):
+            self._prefill_sum = d * self._prefill_sum + telemetry.prefill_ms
+            self._prefill_requests = d * self._prefill_requests + max(telemetry.arrivals - telemetry.rejections, 0)
+        if telemetry.queue_depth > 0:
+            self._queue_seen_s = telemetry.time_s
         self._tokens_sum = d * self._tokens_sum + telemetry.output_tokens
         self._completions_sum = d * self._completions_sum + telemetry.completions
         if self._completions_sum >= 1.0:
@@ -598,11 +609,15 @@ class ModelPredictivePolicy:
                         pooled = min(max(pooled, 0.25), 4.0)
                         self.distortion_correction[i] = _ewma(float(self.distortion_correction[i]), pooled, a)
             prediction = self.last_prediction.get(name)
-            # Only windows without a queue teach the prefill: under a backlog (a burst while replicas
-            # start) the residual is mostly queueing the wait model missed, and a prefill learned from
-            # it would inflate every prediction (and the replica count) long after the queue is gone.
+            # Only requests that never saw a queue teach the prefill: under a backlog (a burst while
+            # replicas start) the residual is mostly queueing the wait model missed, and a prefill learned
+            # from it would inflate every prediction (and the replica count) long after the queue is
+            # gone. A window's completions arrived up to its longest E2E before it opened; every window
+            # closed since then must have had no queue.
+            arrived_s = telemetry.time_s - telemetry.window_s - window.e2e.p99_ms / 1000.0
             if (prediction is not None and window.ttft.count > 0 and math.isfinite(window.ttft.p50_ms)
-                    and telemetry.queue_depth == 0 and math.isfinite(prediction["wait_ms"])):
+                    and math.isfinite(arrived_s) and arrived_s > self._queue_seen_s
+                    and math.isfinite(prediction["wait_ms"])):
                 residual = window.ttft.p50_ms - prediction["wait_ms"] - prediction["step_ms"]
                 self.prefill_ms[name] = _ewma(self.prefill_ms[name], max(residual, 0.0), a)
 
@@ -620,6 +635,14 @@ class ModelPredictivePolicy:
         ratio = float(pending[0] / pending[1])
         pending[:] = 0.0
         return ratio
+
+    def _stall_prefill_ms(self, act_idx: Sequence[int]) -> float:
+        """Prefill ms per admitted request, for the stall term: measured (prefill wall time over the
+        requests admitted, decayed sums) once a request's worth is in, else the active tiers' mean
+        prefill as learned from TTFT (which also holds the wait for the step in flight)."""
+        if self._prefill_requests >= 1.0:
+            return self._prefill_sum / self._prefill_requests
+        return float(np.mean([self.prefill_ms[self.tier_names[i]] for i in act_idx]))
 
     def _planning_budget(self, i: int, budget: float) -> float:
         """The distortion tier ``i`` may plan to: ``budget_margin`` below its budget, the budget itself
@@ -720,8 +743,7 @@ class ModelPredictivePolicy:
         step = f + p * batch
         # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
         # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
-        prefill_ms = float(np.mean([self.prefill_ms[self.tier_names[i]] for i in act_idx]))
-        stall = min(lam * prefill_ms / 1000.0, 0.9)
+        stall = min(lam * self._stall_prefill_ms(act_idx) / 1000.0, 0.9)
         tpot = step[:, None] / tokens / (1.0 - stall)  # [n, n_t]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
@@ -840,8 +862,7 @@ class ModelPredictivePolicy:
         ok = little <= self.max_batch
         planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
         step = f + p * np.clip(planned, 1.0, float(self.max_batch))
-        prefill_ms = float(np.mean([self.prefill_ms[self.tier_names[i]] for i in act_idx]))
-        stall = min(lam * prefill_ms / 1000.0, 0.9)
+        stall = min(lam * self._stall_prefill_ms(act_idx) / 1000.0, 0.9)
         for i in act_idx:
             name = self.tier_names[i]
             tier = self.slo.tiers[name]

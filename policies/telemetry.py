@@ -105,6 +105,9 @@ class Telemetry:
     draft_length: int = 4  # k of the default tier (per tier: TierWindow.draft_length)
     mean_iteration_ms: float = math.nan  # measured mean decode-step time over the window's steps
     mean_batch_size: float = math.nan  # mean sequences per decode step
+    #: Prefill wall time over the window, summed over replicas (ms): the joiners' prompts, during which
+    #: the running batch stalls. NaN: not measured (a source that cannot separate it from decode steps).
+    prefill_ms: float = math.nan
     age_s: float = 0.0
     tiers: Mapping[str, TierWindow] = field(default_factory=dict)
 

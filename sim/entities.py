@@ -55,13 +55,14 @@ class WindowBins:
     without touching any replica: iterations that end before a tick can no longer be voided.
 
     Feature columns of ``sums``: output tokens, decode sequence-iterations, accepted drafts,
-    distortion, drafted tokens, decode iterations (steps), decode step time (ms); then output tokens
+    distortion, drafted tokens, decode iterations (steps), decode step time (ms), prefill time (ms,
+    the joiners' prefill iterations); then output tokens
     per tier, distortion per tier, sequence-iterations per tier (``BASE`` + tier offsets, see the
     ``tier_*`` slices).
     """
 
-    TOKENS, SEQ_ITERS, ACCEPTED, DISTORTION, DRAFTED, ITERS, ITER_MS = 0, 1, 2, 3, 4, 5, 6
-    BASE = 7
+    TOKENS, SEQ_ITERS, ACCEPTED, DISTORTION, DRAFTED, ITERS, ITER_MS, PREFILL_MS = 0, 1, 2, 3, 4, 5, 6, 7
+    BASE = 8
 
     def __init__(self, interval_s: float, horizon_s: float, n_tiers: int) -> None:
         self.interval_s = interval_s

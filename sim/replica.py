@@ -317,7 +317,7 @@ class Replica:
         length = j + 1 if stop[j] else n_iter
 
         # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
-        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
+        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
         tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
         tokens[0] = emitted[0]
         np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
@@ -341,6 +341,7 @@ class Replica:
         np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
         if n_new:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
+            features[0, WindowBins.PREFILL_MS] = dt_ms[0]
         bins = self.bins.bin_of(end_s)
         self.bins.add(bins[:length], features[:length])
 

@@ -472,6 +472,7 @@ class Simulator:
             draft_length=k,
             mean_iteration_ms=float(sums[WindowBins.ITER_MS]) / iters if iters else math.nan,
             mean_batch_size=seq_iters / iters if iters else math.nan,
+            prefill_ms=float(sums[WindowBins.PREFILL_MS]),
             age_s=self.config.telemetry_age_s,
             tiers=tiers,
         )
@@ -519,7 +520,7 @@ class Simulator:
                                   leave=False, desc=f"sim {self.workload_name}")
         # The first decision lands before any traffic, from an empty window.
         initial = Telemetry(time_s=0.0, window_s=self.config.control_interval_s,
-                            replicas=self.config.replicas, draft_length=self.k,
+                            replicas=self.config.replicas, draft_length=self.k, prefill_ms=0.0,
                             age_s=self.config.telemetry_age_s)
         self.on_apply_decision(0.0, self.policy.decide(initial))
         if self.table.n:

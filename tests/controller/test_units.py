@@ -133,6 +133,7 @@ def test_window_fills_the_fields_the_model_predictive_policy_reads() -> None:
     tel = w.telemetry
     assert tel.mean_iteration_ms == pytest.approx((2.5 - 0.5) / 25 * 1e3)  # decode time per step
     assert tel.mean_batch_size == pytest.approx(50 / 25)
+    assert tel.prefill_ms == pytest.approx(500.0)  # the stall the policy charges running rows for
     lossless, standard = tel.tiers["lossless"], tel.tiers["standard"]
     assert (lossless.draft_length, lossless.sequence_iterations, lossless.tokens_per_iteration) == (0, 30, 1.0)
     assert (standard.draft_length, standard.sequence_iterations, standard.tokens_per_iteration) == (4, 20, 2.5)

@@ -373,3 +373,40 @@ def test_a_tier_measured_short_spends_its_budget_cushion_until_it_recovers() -> 
     assert all(0.08 * t <= 0.306 for short, t in chosen if not short)
     assert chosen[2] == (False, 2.0) and chosen[3] == (True, 4.0), chosen[:4]
     assert chosen[-1] == (False, 2.0), "recovered: the cushion holds again"
+
+
+def test_the_stall_reads_the_measured_prefill_per_admitted_request() -> None:
+    """The TPOT stall term charges λ × (prefill per request): measured when the telemetry carries the
+    prefill wall time (joiners admitted together share one prefill), else the TTFT-learned prefill."""
+    slo = make_slo()
+    measured = ModelPredictivePolicy(slo, toy_model(), prompt_tokens=200.0)
+    unmeasured = ModelPredictivePolicy(slo, toy_model(), prompt_tokens=200.0)
+    for tick in range(1, 11):
+        # 2 arrivals (1 refused) a window, 300 ms of prefill: 300 ms per admitted request.
+        measured.decide(load(4, arrivals=2, rejections=1, prefill_ms=300.0, time_s=float(tick)))
+        unmeasured.decide(load(4, arrivals=2, rejections=1, time_s=float(tick)))
+    active = [1, 2]
+    assert measured._stall_prefill_ms(active) == pytest.approx(300.0)
+    learned = float(np.mean([unmeasured.prefill_ms[n] for n in ("standard", "economy")]))
+    assert unmeasured._stall_prefill_ms(active) == pytest.approx(learned)
+    assert learned != pytest.approx(300.0)
+
+
+def test_prefill_is_not_learned_from_requests_that_waited_in_a_queue() -> None:
+    """A backlog's completions carry their queueing in TTFT even in a window that closes with no
+    queue left: only requests that arrived after the last queued window teach the prefill."""
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, toy_model(), prompt_tokens=200.0)
+    before = dict(policy.prefill_ms)
+    policy.decide(load(8, queue=6, arrivals=0, time_s=1.0))
+    # Queue gone at t = 2; its completions waited ~8 s (TTFT 8 s, E2E 12 s).
+    tiers = {**window("standard", ttft_ms=8000.0, e2e_ms=12000.0), **window("economy", ttft_ms=8000.0,
+                                                                             e2e_ms=12000.0)}
+    for tick in range(2, 6):
+        policy.decide(load(2, queue=0, arrivals=0, tiers=tiers, time_s=float(tick)))
+    assert policy.prefill_ms == before
+    # Once the completions arrived after the last queued window (E2E 1 s at t = 20), they teach it.
+    tiers = {**window("standard", ttft_ms=400.0, e2e_ms=1000.0), **window("economy", ttft_ms=400.0, e2e_ms=1000.0)}
+    policy.decide(load(2, queue=0, arrivals=0, tiers=tiers, time_s=20.0))
+    assert math.isfinite(policy.last_prediction["standard"]["wait_ms"])
+    assert policy.prefill_ms["standard"] < before["standard"]

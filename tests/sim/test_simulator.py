@@ -320,3 +320,29 @@ def test_autoscaler_scales_down_after_the_delay_and_drains_without_losing_work()
     assert first_down >= 150 + 60
     s = res.summary
     assert s["completed"] + s["rejected"] == s["requests"] and s["unfinished"] == 0
+
+
+def test_telemetry_prefill_time_is_every_admission_prefill_once() -> None:
+    """Telemetry.prefill_ms over the ticks sums the prefill iterations exactly: one per admission,
+    joiners admitted together (same replica, same start) sharing one prefill of their summed prompts."""
+    profile = handmade_profile()
+    seen: list[float] = []
+
+    class Recording(StaticPolicy):
+        def decide(self, telemetry):  # type: ignore[no-untyped-def]
+            seen.append(telemetry.prefill_ms)
+            return super().decide(telemetry)
+
+    slo = SLOSpec.default()
+    w = make_workload(duration_s=120.0, arrivals={"kind": "poisson", "rate": 3.0},
+                      prompt_tokens={"kind": "uniform", "low": 20, "high": 400})
+    res = run_sim(w, Recording(slo, 0.5), slo=slo, profile=profile, replicas=2, max_batch=4, seed=3,
+                  drain_timeout_s=600.0)
+    rec = res.records
+    assert res.summary["completed"] == res.summary["requests"]
+    groups: dict[tuple[int, float], int] = {}
+    for replica, start, prompt in zip(rec["replica"], rec["start_s"], rec["prompt_tokens"], strict=True):
+        groups[(int(replica), float(start))] = groups.get((int(replica), float(start)), 0) + int(prompt)
+    assert len(groups) < len(rec["start_s"])  # some joiners shared a prefill
+    expected = sum(profile.latency.prefill_ms(tokens) for tokens in groups.values())
+    assert sum(seen) == pytest.approx(expected, rel=1e-9)

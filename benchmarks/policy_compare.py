@@ -34,6 +34,7 @@ Criterion per case, on the means over seeds (see docs/sim.md):
     .venv/bin/python benchmarks/policy_compare.py --set B --seed-offset 5   # held-out set B, seeds 5-9
     .venv/bin/python benchmarks/policy_compare.py --set C --seed-offset 10  # held-out set C, seeds 10-14
     .venv/bin/python benchmarks/policy_compare.py --set D --seed-offset 15  # held-out set D (code), 15-19
+    .venv/bin/python benchmarks/policy_compare.py --set E --seed-offset 30  # held-out set E (code, matched), 30-34
     .venv/bin/python benchmarks/policy_compare.py --seeds 2 --duration 150   # smoke
     .venv/bin/python benchmarks/policy_compare.py --tuning        # the shipped scenarios it was tuned on
 
@@ -81,15 +82,16 @@ ADAPTIVE = {
 }
 
 
-def scaled_slo(scale: float) -> SLOSpec:
-    """SLOSpec.default() with every latency target × ``scale`` (budgets and T ranges unchanged)."""
+def scaled_slo(scale: float, tpot_scale: float | None = None) -> SLOSpec:
+    """SLOSpec.default() with every latency target × ``scale`` (TPOT × ``tpot_scale`` when given; budgets
+    and T ranges unchanged)."""
     base = SLOSpec.default()
     tiers = {}
     for name, tier in base.tiers.items():
         data = tier.model_dump()
         for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
             if data[key] is not None:
-                data[key] *= scale
+                data[key] *= tpot_scale if key == "tpot_ms" and tpot_scale is not None else scale
         tiers[name] = TierSLO.model_validate(data)
     return SLOSpec(tiers=tiers, default_tier=base.default_tier)
 
@@ -101,9 +103,12 @@ class Case:
     slo_scale: float
     replicas: int
     workload: dict[str, Any] = field(hash=False)
+    tpot_scale: float | None = None  # None: TPOT targets × slo_scale like the others
 
     def slo(self) -> SLOSpec:
-        return SLOSpec.default() if self.slo_scale == 1.0 else scaled_slo(self.slo_scale)
+        if self.slo_scale == 1.0 and self.tpot_scale in (None, 1.0):
+            return SLOSpec.default()
+        return scaled_slo(self.slo_scale, self.tpot_scale)
 
 
 def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sample: float) -> dict[str, Any]:
@@ -120,10 +125,43 @@ def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sam
 #: prompted (run 2); set C (slices at 30 min, seeds 10-14) after the bug fix run 2 led to (run 3).
 #: Set D (seeds 15-19) is the *code* part of the trace, which nothing had used before: evaluated after
 #: the shipped policy's quality guard became a safety net at the budget (session 7).
-HELDOUT_SETS = {"A": ("conv", 40, 50), "B": ("conv", 45, 35), "C": ("conv", 30, 30), "D": ("code", 20, 40)}
+#: Set E (seeds 30-34, session 11) is the code part at minutes it had not been sliced at, with the
+#: calibrated cases *matched* to the hand-made ones by a rule fixed before it ran (see matched_scales):
+#: under the recalibrated profile (prefill 261 ms + 6 ms per token) sets A-D's fixed scale left those
+#: cases prefill-bound, where no (T, k) matters.
+HELDOUT_SETS = {"A": ("conv", 40, 50), "B": ("conv", 45, 35), "C": ("conv", 30, 30), "D": ("code", 20, 40),
+                "E": ("code", 5, 50)}
+MATCHED_SETS = {"E"}
 #: Requests kept per 2 replicas (calibrated, hand-made): the code trace has 8,818 requests in its hour
 #: against the conversation trace's 19,365, so its fractions are scaled up to the same mean arrival rate.
 _SAMPLE = {"conv": (0.035, 0.055), "code": (0.035 * 19365 / 8818, 0.055 * 19365 / 8818)}
+
+
+def matched_scales(calibrated: Profile, handmade: Profile, prompt_tokens: float, output_tokens: float
+                   ) -> tuple[float, float, float]:
+    """(load, TTFT, TPOT) factors that make a calibrated-profile case the hand-made one's analogue: the
+    load × the ratio of the two profiles' plain-decoding service time of the trace's median request
+    (prefill + output × a batch-1 plain step), TTFT (and E2E) targets × the ratio of their prefill of
+    the median prompt, TPOT targets × the ratio of their batch-1 plain step. A rule on the profiles
+    and the trace alone, fixed before any case it sizes was run."""
+    def phases(p: Profile) -> tuple[float, float]:
+        a, b = p.latency.plain_coeffs()
+        return p.latency.prefill_ms(int(prompt_tokens)), a + b
+
+    cal_prefill, cal_step = phases(calibrated)
+    hand_prefill, hand_step = phases(handmade)
+    load = (hand_prefill + output_tokens * hand_step) / (cal_prefill + output_tokens * cal_step)
+    return load, cal_prefill / hand_prefill, cal_step / hand_step
+
+
+def trace_medians(csv: str) -> tuple[float, float]:
+    """Median prompt and output tokens of a trace file."""
+    import csv as csv_module
+
+    with open(TRACES / csv) as f:
+        rows = list(csv_module.DictReader(f))
+    return (float(np.median([int(r["ContextTokens"]) for r in rows])),
+            float(np.median([int(r["GeneratedTokens"]) for r in rows])))
 
 
 def heldout_cases(duration_s: float, which: str = "A") -> list[Case]:
@@ -131,12 +169,16 @@ def heldout_cases(duration_s: float, which: str = "A") -> list[Case]:
     trace, cal_min, hand_min = HELDOUT_SETS[which]
     cal_sample, hand_sample = _SAMPLE[trace]
     csv = f"azure_llm_2023_{trace}.csv"
+    cal_scale, tpot_scale = CALIBRATED_SLO_SCALE, None
+    if which in MATCHED_SETS:
+        load, cal_scale, tpot_scale = matched_scales(Profile.load(cal), Profile.load(hand), *trace_medians(csv))
+        cal_sample = hand_sample * load
     out = []
     for replicas in (2, 4):
         f = replicas / 2  # load scales with the fleet
         out += [
-            Case(f"{trace}@{cal_min}min calibrated {replicas}r", cal, CALIBRATED_SLO_SCALE, replicas,
-                 trace_workload(trace, csv, 60.0 * cal_min, duration_s, cal_sample * f)),
+            Case(f"{trace}@{cal_min}min calibrated {replicas}r", cal, cal_scale, replicas,
+                 trace_workload(trace, csv, 60.0 * cal_min, duration_s, cal_sample * f), tpot_scale),
             Case(f"{trace}@{hand_min}min hand-made {replicas}r", hand, 1.0, replicas,
                  trace_workload(trace, csv, 60.0 * hand_min, duration_s, hand_sample * f)),
         ]
@@ -269,7 +311,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=480.0, help="simulated seconds of arrivals per case")
     ap.add_argument("--tuning", action="store_true", help="the shipped scenarios the policy was tuned on")
     ap.add_argument("--set", dest="heldout_set", choices=sorted(HELDOUT_SETS), default="A",
-                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min; C: 30/30 min; D: code trace, 20/40 min)")
+                    help="held-out set (A: conv slices at 40/50 min; B: 45/35 min; C: 30/30 min; D: code trace, "
+                    "20/40 min; E: code trace, 5/50 min, calibrated cases matched to the hand-made ones)")
     ap.add_argument("--seed-offset", type=int, default=0, help="first seed (set B was run with 5)")
     ap.add_argument("--cases", default="", help="comma-separated substrings: keep matching cases only")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
@@ -301,7 +344,7 @@ def main() -> int:
         agg = aggregate(case_rows)
         results.append({
             "case": case.name, "profile": Path(case.profile).name, "replicas": case.replicas,
-            "slo_scale": case.slo_scale, "workload": case.workload,
+            "slo_scale": case.slo_scale, "tpot_scale": case.tpot_scale, "workload": case.workload,
             "requests": float(np.mean([r["requests"] for r in case_rows])),
             "aggregate": agg, "criterion": {p: criterion(agg, case.slo(), p) for p in ADAPTIVE},
         })

@@ -152,10 +152,14 @@ class TelemetryAggregator:
             totals.add(report.counters)
             records.extend(report.records)
             push_latencies.extend(report.push_latencies_ms)
+        # Requests the ingress refused never reached a replica's arrival counter; the telemetry's
+        # arrivals are the offered load (as in the simulator), so they count there too.
+        refused: dict[str, int] = {}
         for name, n in (ingress_rejections or {}).items():
             if name in self.slo.tiers:
                 totals.rejections += n
                 totals.tier(name).rejections += n
+                refused[name] = refused.get(name, 0) + n
         for name, n in (ingress_aborted or {}).items():
             if name in self.slo.tiers:
                 totals.aborted += n
@@ -185,7 +189,7 @@ class TelemetryAggregator:
                 output_tokens=tokens,
                 draft_length=reported_k.get(name, decided_k.get(name)),
                 sequence_iterations=int(counts.row_iterations),
-                arrivals=int(counts.arrivals),
+                arrivals=int(counts.arrivals) + refused.get(name, 0),
                 rejections=int(counts.rejections),
                 aborted=int(counts.aborted + counts.failed),
             )
@@ -199,7 +203,7 @@ class TelemetryAggregator:
         telemetry = Telemetry(
             time_s=now_s,
             window_s=window_s,
-            arrivals=int(totals.arrivals),
+            arrivals=int(totals.arrivals) + sum(refused.values()),
             completions=int(totals.completions),
             rejections=int(totals.rejections),
             queue_depth=sum(queue_depths),

@@ -87,7 +87,7 @@ class Telemetry:
 
     time_s: float
     window_s: float
-    arrivals: int = 0
+    arrivals: int = 0  # requests that arrived in the window: the offered load, refused ones included
     completions: int = 0
     rejections: int = 0
     queue_depth: int = 0

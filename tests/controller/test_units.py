@@ -165,7 +165,8 @@ def test_unanswered_requests_are_misses_of_their_tier() -> None:
 
     slo = SLOSpec.default()
     agg = TelemetryAggregator(slo)
-    counters = ReplicaCounters(completions=2, rejections=1, aborted=1)
+    counters = ReplicaCounters(arrivals=3, completions=2, rejections=1, aborted=1)
+    counters.tier("economy").arrivals = 3
     counters.tier("economy").completions = 2
     counters.tier("economy").rejections = 1
     counters.tier("economy").aborted = 1
@@ -176,6 +177,10 @@ def test_unanswered_requests_are_misses_of_their_tier() -> None:
                    ingress_aborted={"economy": 1})
     eco = w.telemetry.tiers["economy"]
     assert (eco.completions, eco.slo_met, eco.rejections, eco.aborted) == (2, 2, 2, 2)
+    # Arrivals are the offered load, as in the simulator: the ingress's refusals (503) count; its 504s do
+    # not (a request it gave up on may already have reached a replica, which counted it).
+    assert (w.telemetry.arrivals, eco.arrivals) == (4, 4)
+    assert w.deltas["arrivals"] == 3  # the replicas' own counter (Prometheus: admitted by replicas)
     assert attainment(w.telemetry, "economy") == pytest.approx(2 / 6), "503/504/aborted are misses"
     assert math.isnan(attainment(w.telemetry, "standard"))
     # The Prometheus gauge reads the same definition.

@@ -636,6 +636,11 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
+    def _stall(self, lam: float, act_idx: Sequence[int]) -> float:
+        """Share of a replica's time its running rows stall for joiners' prefills at ``lam`` requests/s
+        (admit, then step: every admission's prefill holds the whole batch), capped at 0.9."""
+        return min(lam * self._stall_prefill_ms(act_idx) / 1000.0, 0.9)
+
     def _stall_prefill_ms(self, act_idx: Sequence[int]) -> float:
         """Prefill ms per admitted request, for the stall term: measured (prefill wall time over the
         requests admitted, decayed sums) once a request's worth is in, else the active tiers' mean
@@ -743,7 +748,7 @@ class ModelPredictivePolicy:
         step = f + p * batch
         # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
         # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
-        stall = min(lam * self._stall_prefill_ms(act_idx) / 1000.0, 0.9)
+        stall = self._stall(lam, act_idx)
         tpot = step[:, None] / tokens / (1.0 - stall)  # [n, n_t]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
@@ -862,7 +867,7 @@ class ModelPredictivePolicy:
         ok = little <= self.max_batch
         planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
         step = f + p * np.clip(planned, 1.0, float(self.max_batch))
-        stall = min(lam * self._stall_prefill_ms(act_idx) / 1000.0, 0.9)
+        stall = self._stall(lam, act_idx)
         for i in act_idx:
             name = self.tier_names[i]
             tier = self.slo.tiers[name]

@@ -48,7 +48,9 @@ Latency (per ``k`` and batch size ``B``)
     - prefill ``= prefill_fixed + prefill_per_token · prompt tokens`` per admission step (the engine
       prefills all joining requests in one left-padded batch on each model, as the simulator charges
       one prefill per group of joiners). Points: the timing runs' admissions of B equal prompts, and
-      single prompts of ``prefill_lengths`` tokens.
+      single prompts of ``prefill_lengths`` tokens. Admissions at k = 0 run the target's prefill alone
+      (the draft skips the prompt until the row drafts), those at k > 0 both: the fit separates the
+      draft's part, which is also what a row pays to catch up when it starts drafting.
 
 The sampling temperature defaults to 1.0, the serving API's default (OpenAI's), because acceptance
 depends on it; the profile records it.
@@ -293,7 +295,7 @@ class LatencySample(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     phase: Literal["decode", "prefill"]
-    k: int = Field(..., description="draft length (prefill: 0)")
+    k: int = Field(..., description="draft length (prefill: the k the requests joined at; 0 skips the draft's prefill)")
     batch: int = Field(..., description="decode: rows in the step; prefill: requests admitted")
     tokens: float = Field(..., description="decode: mean context tokens per row; prefill: prompt tokens")
     n: int
@@ -542,11 +544,11 @@ def _timed_step(engine: FSDEngine) -> tuple[StepStats, float, float]:
     return step, time.perf_counter() - t0, time.process_time() - c0
 
 
-def _prefill_sample(step: StepStats, wall: float, cpu: float, batch: int, clock: str) -> LatencySample:
+def _prefill_sample(step: StepStats, wall: float, cpu: float, batch: int, clock: str, k: int) -> LatencySample:
     share = min(cpu / max(wall, 1e-9), 1.0)
     return LatencySample(
         phase="prefill",
-        k=0,
+        k=k,  # the k the requests joined at: 0 = the target's prefill alone (the draft skips the prompt)
         batch=batch,
         tokens=float(step.prefill_tokens),
         n=1,
@@ -583,7 +585,7 @@ def measure_latency(pair: ModelPair, settings: CalibrationSettings, progress: bo
                     step, wall, cpu = _timed_step(engine)
                     bar.update(1)
                     if i == 0:  # admission: prefill of `batch` requests, then a warm-up decode
-                        samples.append(_prefill_sample(step, wall, cpu, batch, settings.clock))
+                        samples.append(_prefill_sample(step, wall, cpu, batch, settings.clock, k))
                         continue
                     if step.batch_size != batch:  # a row finished early: not a clean point
                         continue
@@ -604,7 +606,7 @@ def measure_latency(pair: ModelPair, settings: CalibrationSettings, progress: bo
                 rid = f"prefill{rep}-{n}"
                 engine.add_request(rid, _filler_ids(pair, length), _params(settings, 1, settings.seed, True), 0.0)
                 step, wall, cpu = _timed_step(engine)
-                samples.append(_prefill_sample(step, wall, cpu, 1, settings.clock))
+                samples.append(_prefill_sample(step, wall, cpu, 1, settings.clock, settings.ks[0]))
                 engine.release(rid)
                 bar.update(1)
     finally:

@@ -130,6 +130,11 @@ class StepCost:
     plain_per_seq_ms: float
     prefill_fixed_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
+    #: The draft's forward over tokens it has not seen: a row that ran at k = 0 (the draft skipped its
+    #: prompt and output) catches up when it drafts, one padded forward over the rows' backlog.
+    #: 0 and 0: not measured (no catch-up charged).
+    draft_prefill_fixed_ms: float = 0.0
+    draft_prefill_ms_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

@@ -37,6 +37,8 @@ class RequestTable:
         self.rejected = np.zeros(n, dtype=bool)
         self.emitted = np.zeros(n, dtype=np.int64)
         self.distortion_sum = np.zeros(n, dtype=np.float64)  # Σ per-token TV over emitted tokens
+        # Tokens of the sequence the draft has not seen (joined or ran at k = 0; LatencyModel.models_draft_prefill).
+        self.draft_lag = np.zeros(n, dtype=np.int64)
         # Per-request acceptance odds multipliers (Profile.request_acceptance); None: every request at
         # the profile's acceptance.
         self.acceptance_odds: np.ndarray | None = None

@@ -8,7 +8,11 @@ Schema (``schema_version: 1``; documented field by field in docs/sim.md):
   = mean per-emitted-token TV distortion at that point (0 at T = 0 by construction of FSD).
 - ``latency``: draft time per iteration ``k·(draft_a_ms + draft_b_ms·B)``, verify time per iteration
   ``verify_a_ms + verify_b_ms·B + verify_c_ms·k·B`` for a batch of B sequences, and prefill cost
-  ``prefill_ms_per_token`` per prompt token (target and draft together).
+  ``prefill_fixed_ms + prefill_ms_per_token`` per prompt token. With ``draft_prefill_*`` measured
+  (calibration that times joins at k = 0 apart from joins at k > 0) the prefill terms are the target's
+  and the draft's prefill is its own: a request joining at k = 0 skips it, and the draft catches up on
+  the tokens it has not seen (prompt and output) when the row first drafts. Without them the prefill
+  terms are target and draft together, charged at every join, and no catch-up is modelled.
 - k = 0 is plain target decoding: one target token per step, no draft, zero distortion, step time
   ``plain_step_a_ms + plain_step_b_ms·B`` when calibration measured it, else *derived* from the fitted
   target forward, ``verify_a_ms + verify_b_ms·B`` (the verify model at k = 0; the shipped profiles
@@ -119,8 +123,16 @@ class LatencyModel(BaseModel):
     verify_a_ms: float = Field(..., ge=0, description="verify forward, fixed part")
     verify_b_ms: float = Field(..., ge=0, description="verify forward, per sequence")
     verify_c_ms: float = Field(..., ge=0, description="verify forward, per sequence per drafted token")
-    prefill_ms_per_token: float = Field(..., ge=0, description="prefill (target + draft) per prompt token")
+    prefill_ms_per_token: float = Field(
+        ..., ge=0, description="prefill per prompt token: the target's when draft_prefill_* are measured, else "
+        "target and draft together"
+    )
     prefill_fixed_ms: float = Field(0.0, ge=0, description="fixed cost of a prefill call")
+    draft_prefill_ms_per_token: float = Field(
+        0.0, ge=0, description="the draft's forward over tokens it has not seen (its prefill at a join with k > 0, "
+        "its catch-up when a row that ran at k = 0 drafts), per token of the padded feed; 0: not measured"
+    )
+    draft_prefill_fixed_ms: float = Field(0.0, ge=0, description="fixed cost of that draft forward")
     plain_step_a_ms: float | None = Field(
         None, ge=0, description="k = 0 (plain target decoding) step, fixed part; None: verify_a_ms (derived)"
     )
@@ -168,8 +180,25 @@ class LatencyModel(BaseModel):
         per_row = self.verify_b_ms + self.verify_c_ms * ks + (ks > 0) * (k_max * self.draft_b_ms)
         return k_max * self.draft_a_ms + self.verify_a_ms, per_row.astype(float)
 
-    def prefill_ms(self, prompt_tokens: int) -> float:
-        return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
+    def prefill_ms(self, prompt_tokens: int, drafting_tokens: int | None = None) -> float:
+        """A join's prefill of ``prompt_tokens``; ``drafting_tokens`` of them belong to rows joining at k > 0
+        (the draft prefills those too; None: all of them)."""
+        ms = self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
+        drafting = prompt_tokens if drafting_tokens is None else drafting_tokens
+        if drafting > 0 and self.models_draft_prefill:
+            ms += self.draft_catch_up_ms(drafting)
+        return ms
+
+    @property
+    def models_draft_prefill(self) -> bool:
+        """Whether the draft's prefill is measured apart (then joins at k = 0 skip it and catch-up costs)."""
+        return self.draft_prefill_ms_per_token > 0 or self.draft_prefill_fixed_ms > 0
+
+    def draft_catch_up_ms(self, fed_tokens: int) -> float:
+        """One draft forward over ``fed_tokens`` unseen tokens (rows × padded width); 0 when not modelled."""
+        if fed_tokens <= 0 or not self.models_draft_prefill:
+            return 0.0
+        return self.draft_prefill_fixed_ms + self.draft_prefill_ms_per_token * fed_tokens
 
 
 _QUADRATURE_NODES = 256  # mid-quantile nodes of the per-request Beta (centring expectation)
@@ -596,6 +625,7 @@ def to_operating_model(profile: Profile, div: str | None = None, source: str = "
         draft_fixed_ms=lat.draft_a_ms, draft_per_seq_ms=lat.draft_b_ms, verify_fixed_ms=lat.verify_a_ms,
         verify_per_seq_ms=lat.verify_b_ms, verify_per_token_ms=lat.verify_c_ms, plain_fixed_ms=plain_a,
         plain_per_seq_ms=plain_b, prefill_fixed_ms=lat.prefill_fixed_ms, prefill_ms_per_token=lat.prefill_ms_per_token,
+        draft_prefill_fixed_ms=lat.draft_prefill_fixed_ms, draft_prefill_ms_per_token=lat.draft_prefill_ms_per_token,
     )
     return OperatingModel(points=tuple(points), cost=cost,
                           source=source or f"{profile.provenance.pair} (div {div}; k = 0 {profile.plain_decoding_source})")

@@ -12,7 +12,9 @@ stays torch-free. What is fitted and why:
   weights = tokens; likewise the fraction of emitted tokens that carry distortion.
 - *Latency*: non-negative least squares of the profile's own model,
   draft ``= k · (draft_a + draft_b · B)``, verify + overhead ``= verify_a + verify_b · B + verify_c · k · B``,
-  prefill ``= prefill_fixed + prefill_per_token · prompt tokens``; fit quality kept as ``FitQuality``.
+  prefill ``= prefill_fixed + prefill_per_token · prompt tokens`` (+ ``draft_prefill_fixed +
+  draft_prefill_per_token · prompt tokens`` for joins at k > 0, when joins at k = 0 were timed too); fit
+  quality kept as ``FitQuality``.
   Decode points at k = 0 (plain target decoding, no draft forward) are fitted on their own,
   step ``= plain_step_a + plain_step_b · B``; without them the profile derives k = 0 from the verify fit.
 - *Per-request acceptance variation* (:func:`fit_request_acceptance`, not part of :func:`fit_profile`:
@@ -244,7 +246,15 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
 
     tok = np.array([s.tokens for s in prefill], dtype=float)
     pre = np.array([s.prefill_ms for s in prefill])
-    prefill_fixed, prefill_per_token = _nnls(np.stack([np.ones_like(tok), tok], axis=1), pre)
+    drafting = np.array([s.k > 0 for s in prefill], dtype=float)
+    draft_prefill_fixed = draft_prefill_per_token = 0.0
+    if 0.0 < drafting.mean() < 1.0:
+        # Joins at k = 0 (target alone) and at k > 0 (target and draft): the draft's prefill apart.
+        prefill_design = np.stack([np.ones_like(tok), tok, drafting, drafting * tok], axis=1)
+        prefill_fixed, prefill_per_token, draft_prefill_fixed, draft_prefill_per_token = _nnls(prefill_design, pre)
+    else:  # one kind of join only: one prefill for target and draft together
+        prefill_design = np.stack([np.ones_like(tok), tok], axis=1)
+        prefill_fixed, prefill_per_token = _nnls(prefill_design, pre)
     plain_a = plain_b = None
     plain_error = None
     if plain:
@@ -262,13 +272,17 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
         verify_c_ms=float(verify_c),
         prefill_ms_per_token=float(prefill_per_token),
         prefill_fixed_ms=float(prefill_fixed),
+        draft_prefill_ms_per_token=float(draft_prefill_per_token),
+        draft_prefill_fixed_ms=float(draft_prefill_fixed),
         plain_step_a_ms=plain_a,
         plain_step_b_ms=plain_b,
     )
     draft_pred = draft_design @ np.array([draft_a, draft_b])
     verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])
     iteration_pred = np.array([float(model.iteration_ms(int(s.batch), int(s.k))) for s in decode])
-    prefill_pred = prefill_fixed + tok * prefill_per_token
+    prefill_pred = prefill_design @ np.array(
+        [prefill_fixed, prefill_per_token, draft_prefill_fixed, draft_prefill_per_token][: prefill_design.shape[1]]
+    )
     quality = FitQuality(
         draft_max_rel_error=_max_rel_error(draft_pred, draft),
         verify_max_rel_error=_max_rel_error(verify_pred, verify),
@@ -335,6 +349,8 @@ def headline(profile: Profile) -> dict[str, Any]:
         "iteration_ms": {str(b): round(float(lat.iteration_ms(b, k)), 1) for b in (1, 2, 4, 8)},
         "prefill_ms_per_token": round(lat.prefill_ms_per_token, 3),
         "prefill_fixed_ms": round(lat.prefill_fixed_ms, 2),
+        "draft_prefill_ms_per_token": round(lat.draft_prefill_ms_per_token, 3),
+        "draft_prefill_fixed_ms": round(lat.draft_prefill_fixed_ms, 2),
     }
 
 

@@ -26,6 +26,12 @@ Iteration model (per replica, batch of B sequences, draft length k):
   uniform per sequence: accepted = #{i : u < S_i}, S_i = P(at least i accepted), S padded with zeros
   past the tier's k; k = 0 emits exactly one token); a sequence's last iteration is clipped at its
   output length. A segment keeps the k of the rows it was drawn with: a new k truncates it.
+- The draft's backlog, when the profile measures the draft's prefill apart
+  (:attr:`sim.profile.LatencyModel.models_draft_prefill`), as the engine keeps it: a request joining at
+  k = 0 skips the draft's prefill (its prompt is the draft's backlog), a row at k = 0 adds its tokens to
+  the backlog while no row drafts (or its backlog is already more than the engine feeds in passing), and
+  the first decode iteration in which a row with a backlog drafts also runs the draft over every fed
+  row's backlog, padded to the longest (:meth:`~sim.profile.LatencyModel.draft_catch_up_ms`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ from sim.profile import LatencyModel, shifted_acceptance
 
 _B = WindowBins.BASE
 _BATCH_CACHE_SIZE = 50_000  # entries of DecodeSettings.batch_cache (each a few hundred bytes)
+#: A k = 0 row whose draft backlog is at most this many tokens is fed in passing when other rows draft
+#: (decoder.engine's _MAX_PASSIVE_UNSEEN): its backlog stays put.
+_MAX_PASSIVE_LAG = 2
 
 
 class ReplicaState(enum.Enum):
@@ -157,6 +166,7 @@ class _Segment:
     n_new: int  # the first n_new of ids joined in this segment (iteration 0 is their prefill)
     length: int  # iterations in force (truncation lowers it)
     distortion_rows: np.ndarray | None  # [L, B] drawn distortion per iteration (None: mean per token)
+    lag_grows: np.ndarray | None = None  # [B] rows whose emitted tokens add to the draft's backlog
 
 
 class Replica:
@@ -303,7 +313,13 @@ class Replica:
             dt_ms = alive_before @ per_row_ms
             dt_ms += fixed_ms
             drafted = alive_before @ rows.row_k_float
-        if n_new:
+        lag_grows = None
+        if self.latency.models_draft_prefill:
+            catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
+            dt_ms[off] += catch_up_ms
+            if n_new:
+                dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
+        elif n_new:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
             dt_ms *= self.rng.exponential(1.0, size=n_iter)
@@ -373,10 +389,40 @@ class Replica:
             n_new,
             length,
             distortion_rows,
+            lag_grows,
         )
         self.version += 1
         self.segments_drawn += 1
         return float(end_s[length - 1])
+
+    def _draft_backlog(self, ids: np.ndarray, n_new: int, row_k: np.ndarray) -> tuple[float, int, np.ndarray]:
+        """The draft's backlog at a segment's start (the first ``n_new`` of ``ids`` join, rows at draft
+        lengths ``row_k``): the catch-up ms of its first decode iteration, the prompt tokens of joiners
+        the draft prefills (those at k > 0), and the rows whose tokens add to the backlog in it."""
+        lag = self.table.draft_lag
+        drafting = row_k > 0
+        drafting_tokens = 0
+        if n_new:
+            new_ids = ids[:n_new]
+            prompts = self.table.prompt_tokens[new_ids]
+            joins_drafting = drafting[:n_new]
+            drafting_tokens = int(prompts[joins_drafting].sum())
+            lag[new_ids] = np.where(joins_drafting, 0, prompts)
+        backlog = lag[ids]
+        catch_up_ms = 0.0
+        behind = drafting & (backlog > _MAX_PASSIVE_LAG)
+        if behind.any():
+            # One padded forward over every fed row (drafting ones, and k = 0 ones close enough to be
+            # fed in passing) at the longest backlog's width; after it the drafting rows are current.
+            fed = drafting | (backlog <= _MAX_PASSIVE_LAG)
+            catch_up_ms = self.latency.draft_catch_up_ms(int(fed.sum()) * int(backlog[behind].max()))
+            lag[ids[behind]] = 0
+            backlog = lag[ids]
+        if drafting.any():
+            lag_grows = ~drafting & (backlog > _MAX_PASSIVE_LAG)
+        else:  # the draft does not run: every row's tokens add to its backlog
+            lag_grows = np.ones(ids.size, dtype=bool)
+        return catch_up_ms, drafting_tokens, lag_grows
 
     def truncate(self, now: float, need_room: bool) -> float | None:
         """Cut the segment at the first boundary >= ``now`` (with a free slot if ``need_room``).
@@ -450,6 +496,8 @@ class Replica:
                 table.distortion_sum[ids] += per_seq * seg.distortion_per_token
             else:
                 table.distortion_sum[ids] += seg.distortion_rows[:n].sum(axis=0)
+            if seg.lag_grows is not None and seg.lag_grows.any():
+                table.draft_lag[ids[seg.lag_grows]] += per_seq[seg.lag_grows]
             self.iterations += n - 1 if seg.n_new else n
             keep = seg.finish_iter >= n
             self.running = ids[keep]

@@ -153,6 +153,24 @@ def test_latency_fit_measures_plain_decoding_where_k_0_was_timed() -> None:
     assert float(m.iteration_ms(4, 0)) == pytest.approx(plain_a + plain_b * 4)
 
 
+def test_latency_fit_separates_the_drafts_prefill_when_joins_at_k_0_were_timed() -> None:
+    points = _latency_points(9.0, 1.5, 40.0, 6.0, 2.5, 3.0, 1.6)  # every join at k = 0 (older calibrations)
+    lone = fit_latency(points).model
+    assert not lone.models_draft_prefill and lone.prefill_ms(100) == pytest.approx(3.0 + 160.0)
+    # Joins at k > 0 also run the draft's prefill: 20 ms + 0.9 ms per token more.
+    drafting = [LatencySample(phase="prefill", k=k, batch=req, tokens=tok, n=1, prefill_ms=23.0 + 2.5 * tok)
+                for k, req, tok in ((2, 1, 16), (4, 1, 256), (2, 4, 512), (6, 2, 100))]
+    fit = fit_latency(points + drafting)
+    m = fit.model
+    got = (m.prefill_fixed_ms, m.prefill_ms_per_token, m.draft_prefill_fixed_ms, m.draft_prefill_ms_per_token)
+    assert got == pytest.approx((3.0, 1.6, 20.0, 0.9), rel=1e-6)
+    assert fit.quality.prefill_max_rel_error < 1e-6
+    assert m.prefill_ms(100, drafting_tokens=0) == pytest.approx(163.0)  # a join at k = 0
+    assert m.prefill_ms(100) == pytest.approx(273.0)  # every joiner drafts
+    assert m.draft_catch_up_ms(3 * 50) == pytest.approx(20.0 + 0.9 * 150)
+    assert m.draft_catch_up_ms(0) == 0.0
+
+
 def test_latency_fit_stays_non_negative() -> None:
     # Timings that fall with batch size would need a negative slope; the profile forbids it.
     pts = _latency_points(9.0, 0.0, 40.0, 0.0, 0.0, 3.0, 1.0)
@@ -301,6 +319,8 @@ def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
     assert all(s.verify_ms > 0 and s.n >= 1 for s in decode if s.k == 0)  # k = 0: the target forward alone
     prefill = [s for s in record.latency if s.phase == "prefill"]
     assert {s.tokens for s in prefill if s.batch == 1} >= {16.0, 64.0}
+    # Joins were timed at k = 0 (the target's prefill alone) and at k > 0 (target and draft).
+    assert {s.k for s in prefill} == {0, 2, 4}
 
 
 def test_acceptance_can_be_reused_and_only_latency_remeasured(tiny_profile: Profile) -> None:

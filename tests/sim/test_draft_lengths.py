@@ -150,3 +150,65 @@ def test_window_token_accounting_is_conserved(variation: float | None, flipping:
             seq_iters = sum(tw.sequence_iterations for tw in t.tiers.values())
             accepted = t.mean_accepted_per_iter * seq_iters
             assert t.output_tokens == pytest.approx(seq_iters + accepted, abs=1e-6), f"window {j}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The draft's backlog: a join at k = 0 skips the draft's prefill, a row that starts drafting catches up
+# ---------------------------------------------------------------------------------------------------
+
+
+def _with_draft_prefill(fixed_ms: float, per_token_ms: float) -> Profile:
+    data = handmade_profile().model_dump()
+    data["latency"] = {**data["latency"], "draft_prefill_fixed_ms": fixed_ms, "draft_prefill_ms_per_token": per_token_ms}
+    return Profile.model_validate(data)
+
+
+class SwitchK:
+    """Static T; every tier at k = ``before`` until ``at_s``, then at ``after``."""
+
+    def __init__(self, slo: SLOSpec, at_s: float, before: int, after: int) -> None:
+        self.inner, self.at_s, self.before, self.after = StaticPolicy(slo, 1.0), at_s, before, after
+
+    def decide(self, telemetry: Telemetry) -> Decision:
+        d = self.inner.decide(telemetry)
+        k = self.before if telemetry.time_s < self.at_s else self.after
+        return Decision(thresholds=d.thresholds, draft_lengths={n: k for n in d.thresholds}, reason="test")
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def _one_request_e2e(profile: Profile, policy: SwitchK, prompt: int = 100, output: int = 200) -> tuple[float, float]:
+    w = Requests(arrival_s=np.array([0.05]), prompt_tokens=np.array([prompt]), output_tokens=np.array([output]),
+                 tier=np.array([1], dtype=np.int16), tier_names=("lossless", "standard"))
+    res = run_sim(w, policy, slo=TWO_TIERS, profile=profile, replicas=1, seed=3, control_interval_s=1.0)
+    rec = res.records
+    return float(rec["first_token_s"][0] - rec["arrival_s"][0]), float(rec["completion_s"][0] - rec["arrival_s"][0])
+
+
+def test_a_row_that_starts_drafting_pays_the_drafts_catch_up_once() -> None:
+    fixed_ms, per_token_ms = 50.0, 1.0
+    without, with_ = handmade_profile(), _with_draft_prefill(fixed_ms, per_token_ms)
+
+    def backlog_at_switch(at_s: float) -> float:
+        """Plain decoding until ``at_s``, then k = 4: the draft runs once over the prompt (100) and the
+        tokens so far; the extra E2E, in tokens of that forward (the run is otherwise the same)."""
+        ttft0, e2e0 = _one_request_e2e(without, SwitchK(TWO_TIERS, at_s, 0, 4))
+        ttft1, e2e1 = _one_request_e2e(with_, SwitchK(TWO_TIERS, at_s, 0, 4))
+        assert ttft1 == pytest.approx(ttft0)  # joined at k = 0: the target's prefill alone
+        return (1000.0 * (e2e1 - e2e0) - fixed_ms) / per_token_ms - 100
+
+    plain_step_ms = float(without.latency.iteration_ms(1, 0))
+    early, late = backlog_at_switch(3.0), backlog_at_switch(4.0)
+    for backlog in (early, late):
+        assert backlog == pytest.approx(round(backlog), abs=1e-6) and 0 < backlog < 200
+    # A second more at k = 0 is a second more of plain steps (one token each) the draft has not seen.
+    assert late - early == pytest.approx(1000.0 / plain_step_ms, abs=1.0)
+    # Plain decoding throughout: the draft never runs, nothing to catch up.
+    assert _one_request_e2e(with_, SwitchK(TWO_TIERS, 1e9, 0, 4)) == pytest.approx(
+        _one_request_e2e(without, SwitchK(TWO_TIERS, 1e9, 0, 4)))
+    # Drafting from the start: the draft prefills the prompt with the target, once, at the join.
+    ttft2, e2e2 = _one_request_e2e(with_, SwitchK(TWO_TIERS, 0.0, 4, 4))
+    ttft3, e2e3 = _one_request_e2e(without, SwitchK(TWO_TIERS, 0.0, 4, 4))
+    assert 1000.0 * (ttft2 - ttft3) == pytest.approx(fixed_ms + per_token_ms * 100)
+    assert 1000.0 * (e2e2 - e2e3) == pytest.approx(fixed_ms + per_token_ms * 100)

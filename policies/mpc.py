@@ -25,7 +25,11 @@ hand.
   candidate is overloaded (queue grows; TTFT unbounded);
 * ``TPOT_τ = step / n_τ / (1 − λ·prefill)`` (joiners' prefills stall the batch), ``prefill`` the
   measured prefill wall time per admitted request (``Telemetry.prefill_ms`` over admissions, decayed
-  sums; joiners admitted together share a prefill);
+  sums; joiners admitted together share a prefill), scaled by the model's prefill at the candidate's
+  draft lengths over that at the ones in force (a join at k = 0 skips the draft's prefill, when the
+  model measures it apart); a candidate that makes a tier running at k = 0 draft adds the draft's
+  catch-up over the running rows' backlog (prompt, backed out of the measured prefill, plus half the
+  mean output), spread over a request's output tokens;
   ``TTFT_τ = wait + step + prefill_τ`` where ``wait`` drains the queue ahead
   at the candidate's request rate and ``prefill_τ`` is learned (EWMA of measured p50 TTFT minus the
   predicted wait and step, from requests that never saw a queue, starting from the model's prefill of
@@ -477,8 +481,11 @@ class ModelPredictivePolicy:
         self.distortion_correction = np.ones(n)
         self.step_correction = 1.0
         cost = self.model.cost
+        # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
         self.prefill_ms = {
-            name: cost.prefill_fixed_ms + cost.prefill_ms_per_token * self.prompt_tokens for name in self.tier_names
+            name: cost.prefill_fixed_ms + cost.draft_prefill_fixed_ms
+            + (cost.prefill_ms_per_token + cost.draft_prefill_ms_per_token) * self.prompt_tokens
+            for name in self.tier_names
         }
         self.shares = np.full(n, math.nan)
         self.arrival_rate = math.nan  # per serving replica, req/s (the fleet's rate over the replicas now)
@@ -641,10 +648,68 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
-    def _stall(self, lam: float, act_idx: Sequence[int]) -> float:
-        """Share of a replica's time its running rows stall for joiners' prefills at ``lam`` requests/s
-        (admit, then step: every admission's prefill holds the whole batch), capped at 0.9."""
-        return min(lam * self._stall_prefill_ms(act_idx) / 1000.0, 0.9)
+    def _stall(self, lam: float, act_idx: Sequence[int], ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
+        """[candidates] share of a replica's time its running rows stall for joiners' prefills at ``lam``
+        requests/s (admit, then step: every admission's prefill holds the whole batch), capped at 0.9.
+        The measured prefill ran at the draft lengths in force; a candidate whose tiers join at another k
+        scales it by the model's prefill there (a join at k = 0 skips the draft's prefill)."""
+        measured = self._stall_prefill_ms(act_idx)
+        target_ms, draft_ms = self._prefill_split()
+        now = self._draft_share(self._ks_now()[None, :], shares)[0]
+        scale = (target_ms + draft_ms * self._draft_share(ks, shares)) / (target_ms + draft_ms * now)
+        return np.asarray(np.minimum(lam * measured * scale / 1000.0, 0.9), dtype=float)
+
+    @staticmethod
+    def _draft_share(ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
+        """[candidates] traffic share of the tiers that draft (k > 0) in each candidate row of ``ks``."""
+        return np.asarray(_row_sums((ks > 0) * shares), dtype=float)
+
+    def _ks_now(self) -> np.ndarray:
+        """[tiers] the draft lengths in force: the last decision's (0 before any)."""
+        return np.array([self.current.get(n, (0.0, 0))[1] for n in self.tier_names], dtype=np.int64)
+
+    def _prompt_tokens(self) -> float:
+        """Prompt tokens of a typical admission: backed out of the measured prefill per admission through
+        the model's prefill at the draft lengths in force (joiners that share a prefill read shorter);
+        the ``prompt_tokens`` parameter until a prefill is measured."""
+        c = self.model.cost
+        if self._prefill_requests < 1.0:
+            return self.prompt_tokens
+        share = float(self._draft_share(self._ks_now()[None, :], self._shares_or_default())[0])
+        per_token = c.prefill_ms_per_token + share * c.draft_prefill_ms_per_token
+        fixed = c.prefill_fixed_ms + share * c.draft_prefill_fixed_ms
+        if per_token <= 0:
+            return self.prompt_tokens
+        return max((self._prefill_sum / self._prefill_requests - fixed) / per_token, 1.0)
+
+    def _prefill_split(self) -> tuple[float, float]:
+        """(target, draft) model prefill ms of a typical admission (draft 0 when the model has no
+        separate draft prefill; then the target's holds both)."""
+        c = self.model.cost
+        prompt = self._prompt_tokens()
+        target = c.prefill_fixed_ms + c.prefill_ms_per_token * prompt
+        draft = c.draft_prefill_fixed_ms + c.draft_prefill_ms_per_token * prompt
+        return max(target, 1e-9), draft
+
+    def _catch_up_tpot(self, ks: np.ndarray, shares: np.ndarray, running: float, length: float) -> np.ndarray:
+        """[candidates] TPOT ms a candidate adds by making a tier that runs at k = 0 draft: the draft then
+        runs once over the running rows' backlog (their prompts and tokens so far, padded to one
+        width), a stall every running request pays once over its ~``length`` tokens."""
+        c = self.model.cost
+        if c.draft_prefill_ms_per_token <= 0 and c.draft_prefill_fixed_ms <= 0:
+            return np.zeros(ks.shape[0])
+        starts = ((ks > 0) & (self._ks_now()[None, :] == 0) & (shares > 0)[None, :]).any(axis=1)
+        fed = running * self._draft_share(ks, shares)
+        backlog = self._prompt_tokens() + length / 2.0
+        catch_up_ms = c.draft_prefill_fixed_ms + c.draft_prefill_ms_per_token * fed * backlog
+        return np.asarray(np.where(starts, catch_up_ms / max(length, 1.0), 0.0), dtype=float)
+
+    def _shares_or_default(self) -> np.ndarray:
+        if np.isnan(self.shares).any():
+            shares = np.zeros(len(self.tier_names))
+            shares[self.tier_names.index(self.slo.default_tier)] = 1.0
+            return shares
+        return self.shares
 
     def _stall_prefill_ms(self, act_idx: Sequence[int]) -> float:
         """Prefill ms per admitted request, for the stall term: measured (prefill wall time over the
@@ -753,8 +818,9 @@ class ModelPredictivePolicy:
         step = f + p * batch
         # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
         # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
-        stall = self._stall(lam, act_idx)
-        tpot = step[:, None] / tokens / (1.0 - stall)  # [n, n_t]
+        stall = self._stall(lam, act_idx, ks, shares)
+        # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
+        tpot = (step / (1.0 - stall))[:, None] / tokens + self._catch_up_tpot(ks, shares, running_now, length)[:, None]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
         cost = step / (batch * mean_tokens)  # ms of replica time per output token
@@ -872,7 +938,7 @@ class ModelPredictivePolicy:
         ok = little <= self.max_batch
         planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
         step = f + p * np.clip(planned, 1.0, float(self.max_batch))
-        stall = self._stall(lam, act_idx)
+        stall = self._stall(lam, act_idx, ks, shares)
         for i in act_idx:
             name = self.tier_names[i]
             tier = self.slo.tiers[name]

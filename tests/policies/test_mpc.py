@@ -4,6 +4,7 @@ does not pay, the attainment outer loop (with anti-windup), tier coupling, deter
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -410,3 +411,64 @@ def test_prefill_is_not_learned_from_requests_that_waited_in_a_queue() -> None:
     policy.decide(load(2, queue=0, arrivals=0, tiers=tiers, time_s=20.0))
     assert math.isfinite(policy.last_prediction["standard"]["wait_ms"])
     assert policy.prefill_ms["standard"] < before["standard"]
+
+
+def _split_prefill_model() -> OperatingModel:
+    """The toy model whose draft prefill is measured apart: 20 ms + 1 ms per token."""
+    base = toy_model()
+    return OperatingModel(base.points, StepCost(**{**asdict(base.cost), "draft_prefill_fixed_ms": 20.0,
+                                                   "draft_prefill_ms_per_token": 1.0}), source="toy split")
+
+
+def test_a_tier_that_starts_drafting_is_charged_the_drafts_catch_up() -> None:
+    """A row that ran at k = 0 has a backlog the draft never saw (prompt and output so far): the candidate
+    that makes its tier draft pays one draft forward over the running rows' backlog, spread over a
+    request's tokens; a tier already drafting pays nothing; a model without the draft's prefill neither."""
+    slo = make_slo(economy={"tpot_ms": 80.0})
+    tiers = window("economy", k=0)
+
+    def decide(model: OperatingModel, k_now: int) -> tuple[ModelPredictivePolicy, Decision]:
+        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0)
+        policy.current = {n: (0.0, k_now) for n in policy.tier_names}
+        return policy, policy.decide(load(4, arrivals=0, tiers=tiers))
+
+    policy, from_plain = decide(_split_prefill_model(), 0)
+    _, drafting = decide(_split_prefill_model(), 2)
+    _, unmodelled = decide(toy_model(), 0)
+    assert from_plain.draft_lengths["economy"] > 0  # plain decoding is far too slow here
+    assert drafting.thresholds == unmodelled.thresholds and drafting.draft_lengths == unmodelled.draft_lengths
+    # Paying the catch-up, it needs a higher T to meet the same target.
+    assert from_plain.thresholds["economy"] > drafting.thresholds["economy"]
+    # The charge: 20 ms + 1 ms × 4 rows × (200 prompt + 100 = half the 200-token mean output), over 200 tokens.
+    ks = np.array([[0, 0, 0], [0, 0, 2], [0, 0, 4]])
+    shares = np.array([0.0, 0.0, 1.0])
+    policy.current = {n: (0.0, 0) for n in policy.tier_names}
+    charged = policy._catch_up_tpot(ks, shares, running=4.0, length=200.0)
+    assert charged == pytest.approx([0.0, (20.0 + 4 * 300.0) / 200.0, (20.0 + 4 * 300.0) / 200.0])
+    policy.current = {n: (0.0, 2) for n in policy.tier_names}
+    assert policy._catch_up_tpot(ks, shares, running=4.0, length=200.0) == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_joins_at_k_0_stall_the_batch_for_the_targets_prefill_alone() -> None:
+    """The stall reads the prefill measured at the draft lengths in force; a candidate whose tier joins at
+    another k scales it by the model's prefill there (a join at k = 0 skips the draft's)."""
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, _split_prefill_model(), prompt_tokens=200.0)
+    for tick in range(1, 11):  # the tiers at k = 0; 400 ms of prefill per admitted request
+        policy.current = {n: (0.0, 0) for n in policy.tier_names}
+        policy.decide(load(4, arrivals=1, prefill_ms=400.0, time_s=float(tick),
+                           tiers={**window("standard", k=0), **window("economy", k=0)}))
+    policy.current = {n: (0.0, 0) for n in policy.tier_names}
+    assert policy._prompt_tokens() == pytest.approx(200.0)  # (400 ms − 0) / 2 ms per token
+    shares = np.array([0.0, 0.5, 0.5])
+    ks = np.array([[0, 0, 0], [0, 0, 4], [0, 4, 4]])
+    stall = policy._stall(0.5, [1, 2], ks, shares)
+    target_ms, draft_ms = 400.0, 20.0 + 200.0
+    expected = [0.5 * 0.4 * (target_ms + draft_ms * share) / target_ms for share in (0.0, 0.5, 1.0)]
+    assert stall == pytest.approx(expected)
+    # Without a separate draft prefill every candidate stalls as measured.
+    flat = ModelPredictivePolicy(slo, toy_model(), prompt_tokens=200.0)
+    for tick in range(1, 11):
+        flat.decide(load(4, arrivals=1, prefill_ms=400.0, time_s=float(tick)))
+    assert flat._stall(0.5, [1, 2], ks, shares) == pytest.approx([0.2, 0.2, 0.2])
+

@@ -17,7 +17,8 @@ hand.
 * one step over the running batch (tier shares ``s_τ`` of the running rows, measured):
   ``step = c · (fixed(k_max) + B · Σ s_τ · per_row(k_τ, k_max))`` — the draft model runs k_max steps
   over the drafting rows, verify is as wide as each row's k (the simulator's mixed-batch model) —
-  with ``c`` = EWMA of measured / modelled step time;
+  with ``c`` = EWMA of measured / modelled step time, one for plain steps (every active tier at k = 0)
+  and one for speculative steps, each learned from the windows that ran its kind;
 * the batch ``B`` at the candidate's speed from Little's law on the measured arrival rate λ per
   replica and mean output length L: ``B = λ·L·TPOT(B)`` solved in closed form (step time is linear in
   B), planned at its upper quantile ``B̄ + z·sqrt(B̄)`` (a request lives through the batch's Poisson
@@ -479,7 +480,12 @@ class ModelPredictivePolicy:
         self.margin = {name: self.initial_margin for name in self.tier_names}
         self.tokens_correction = np.ones(n)
         self.distortion_correction = np.ones(n)
-        self.step_correction = 1.0
+        # Measured / modelled step time, apart for plain steps (the target alone) and speculative ones
+        # (int8 draft steps and a wider verify): the machine's state moves them differently (the
+        # default pair's real step load B, sessions 11 → 12: plain steps 1.76× slower, T = 4, k = 4
+        # steps 1.46×), and one correction learned at k = 0 alone would mis-rank every k > 0 candidate.
+        self.plain_step_correction = 1.0
+        self.draft_step_correction = 1.0
         cost = self.model.cost
         # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
         self.prefill_ms = {
@@ -506,7 +512,8 @@ class ModelPredictivePolicy:
         self.short = {name: False for name in self.tier_names}
         self.current: dict[str, tuple[float, int]] = {}
         self._best_effort: dict[str, bool] = {}
-        self._last_configs: dict[str, tuple[float, int | None]] = {}
+        # The (T, k) per tier of the last two windows: a window is steady when both ran its (T, k).
+        self._last_configs: list[dict[str, tuple[float, int | None]]] = []
         self.last_decision: Decision | None = None
         self.last_prediction: dict[str, dict[str, float]] = {}
         self._last_time_s: float | None = None
@@ -570,8 +577,13 @@ class ModelPredictivePolicy:
 
         # Corrections against what the model says about the (T, k) in force during the window.
         configs = {n: (w.threshold, w.draft_length) for n, w in telemetry.tiers.items()}
-        steady = {n: self._last_configs.get(n) == c for n, c in configs.items()}
-        self._last_configs = configs
+        # Two windows back, not one: a step started before a change ends after it, and a speculative
+        # step (a catch-up above all) can outlast a window, so the first window after the one that
+        # reports the new (T, k) may still hold an old step (in the simulator, a 1.2 s step at T = 4,
+        # k = 6 taught the plain-step correction 1.6 where the profile is the truth).
+        steady = {n: len(self._last_configs) == 2 and all(prev.get(n) == c for prev in self._last_configs)
+                  for n, c in configs.items()}
+        self._last_configs = [*self._last_configs[-1:], configs]
         ks_now = np.array([[
             w.draft_length if (w := telemetry.tiers.get(n)) is not None and w.draft_length is not None
             else self.current.get(n, (0.0, 0))[1]
@@ -583,7 +595,10 @@ class ModelPredictivePolicy:
             modelled = float(self._step_ms(ks_now, shares, telemetry.mean_batch_size)[0])
             if modelled > 0:
                 ratio = min(max(telemetry.mean_iteration_ms / modelled, 0.3), 3.0)
-                self.step_correction = _ewma(self.step_correction, ratio, a)
+                if int(np.where(shares > 0, ks_now[0], 0).max()) == 0:
+                    self.plain_step_correction = _ewma(self.plain_step_correction, ratio, a)
+                else:
+                    self.draft_step_correction = _ewma(self.draft_step_correction, ratio, a)
         for i, name in enumerate(self.tier_names):
             window = telemetry.tiers.get(name)
             if window is None:
@@ -647,6 +662,10 @@ class ModelPredictivePolicy:
         ratio = float(pending[0] / pending[1])
         pending[:] = 0.0
         return ratio
+
+    def _step_correction(self, plain: np.ndarray) -> np.ndarray:
+        """[candidates] the step-time correction of each candidate's kind of step (plain or speculative)."""
+        return np.where(plain, self.plain_step_correction, self.draft_step_correction)
 
     def _stall(self, lam: float, act_idx: Sequence[int], ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
         """[candidates] share of a replica's time its running rows stall for joiners' prefills at ``lam``
@@ -793,8 +812,9 @@ class ModelPredictivePolicy:
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
-        f = u.fixed * self.step_correction
-        p = (u.fixed + per_seq) * self.step_correction - f
+        correction = self._step_correction(u.plain)
+        f = u.fixed * correction
+        p = (u.fixed + per_seq) * correction - f
         by_batch = u.tokens_minus_1_by_batch
         if by_batch is not None:  # acceptance depends on the batch: start from the batch running now
             tokens = self._tokens_at(by_batch, np.full(n, running_now), u.ks_plus_1)
@@ -914,7 +934,8 @@ class ModelPredictivePolicy:
                                      replicas)
         scaling = "" if wanted is None else f", {replicas} replicas serving, {wanted} wanted"
         reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
-                  f"queue {queue:.2g}/replica{scaling}; " + "; ".join(parts))
+                  f"queue {queue:.2g}/replica{scaling}, step correction plain {self.plain_step_correction:.2f} / "
+                  f"speculative {self.draft_step_correction:.2f}; " + "; ".join(parts))
         self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, replicas=wanted, reason=reason)
         return self.last_decision
 
@@ -928,8 +949,9 @@ class ModelPredictivePolicy:
         sees the queue and the measured shortfall). ``tokens`` are :meth:`decide`'s, at the batch it
         planned for the load now (a batch-dependent model is not re-read at each count)."""
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
-        f = self._step_ms(ks, shares, 0.0) * self.step_correction
-        p = self._step_ms(ks, shares, 1.0) * self.step_correction - f
+        correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1) == 0)
+        f = self._step_ms(ks, shares, 0.0) * correction
+        p = self._step_ms(ks, shares, 1.0) * correction - f
         mean_tokens = (tokens * shares).sum(axis=1)
         x = lam * length / (1000.0 * mean_tokens)
         denom = 1.0 - x * p

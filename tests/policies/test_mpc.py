@@ -92,13 +92,13 @@ def test_corrections_pool_windows_too_small_to_count_alone() -> None:
         policy.decide(load(2, time_s=float(tick + 1), tiers=slow_window(30)))
         distortion.append(float(policy.distortion_correction[economy]))
         accepted.append(float(policy.tokens_correction[economy]))
-    # The first window only sets the (T, k) that later windows must hold; then 30 tokens a window: the
-    # 7th steady window (the 8th) brings the pool past 200.
-    assert distortion[:7] == [1.0] * 7 and distortion[7] < 1.0, distortion
+    # The first two windows only set the (T, k) that later windows must hold (a step can outlast a
+    # window); then 30 tokens a window: the 7th steady window (the 9th) brings the pool past 200.
+    assert distortion[:8] == [1.0] * 8 and distortion[8] < 1.0, distortion
     assert distortion[-1] < 0.8, distortion  # the pooled windows teach it (the measured ratio is 0.5)
     assert accepted[0] == 1.0 and accepted[-1] < 0.8, accepted
     alone = ModelPredictivePolicy(slo, model)
-    for tick in range(2):  # 400 tokens in one window: it counts by itself (from the 2nd, steady, window)
+    for tick in range(3):  # 400 tokens in one window: it counts by itself (from the 3rd, steady, window)
         alone.decide(load(2, time_s=float(tick + 1), tiers=slow_window(400)))
     assert float(alone.distortion_correction[economy]) < 1.0
 
@@ -472,3 +472,47 @@ def test_joins_at_k_0_stall_the_batch_for_the_targets_prefill_alone() -> None:
         flat.decide(load(4, arrivals=1, prefill_ms=400.0, time_s=float(tick)))
     assert flat._stall(0.5, [1, 2], ks, shares) == pytest.approx([0.2, 0.2, 0.2])
 
+
+def test_plain_and_speculative_steps_are_corrected_apart() -> None:
+    """Windows of plain steps twice as slow as the model correct plain steps only: a k > 0 candidate keeps
+    the model's step until a window of speculative steps measures it (and then that alone moves)."""
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, toy_model())
+    cost = policy.model.cost
+    plain_ms = cost.plain_fixed_ms + 4 * cost.plain_per_seq_ms
+    for tick in range(1, 11):
+        policy.current = {n: (0.0, 0) for n in policy.tier_names}
+        tiers = {**window("standard", k=0), **window("economy", k=0)}
+        policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(tick), mean_iteration_ms=2 * plain_ms,
+                           mean_batch_size=4.0))
+    assert policy.plain_step_correction == pytest.approx(2.0, rel=0.05)
+    assert policy.draft_step_correction == 1.0
+    # The step a k = 2 candidate is predicted to take is the model's, a plain one twice the model's.
+    assert policy._step_correction(np.array([True, False])) == pytest.approx([policy.plain_step_correction, 1.0])
+    spec_ms = float(policy._step_ms(np.array([[0, 2, 2]]), np.array([0.0, 0.5, 0.5]), 4.0)[0])
+    for tick in range(11, 21):
+        policy.current = {n: (0.0, 2) for n in policy.tier_names}
+        policy.decide(load(4, arrivals=0, time_s=float(tick), mean_iteration_ms=0.8 * spec_ms, mean_batch_size=4.0))
+    assert policy.draft_step_correction == pytest.approx(0.8, rel=0.05)
+    assert policy.plain_step_correction == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_window_after_a_change_does_not_correct_the_step() -> None:
+    """A step started before a change of k ends after it (a speculative one can outlast a window): the
+    first window that reports the new k may hold it, so corrections wait for a second window at that k."""
+    policy = ModelPredictivePolicy(make_slo(), toy_model())
+    cost = policy.model.cost
+    plain_ms = cost.plain_fixed_ms + 4 * cost.plain_per_seq_ms
+
+    def tick(t: int, k: int, iteration_ms: float) -> None:
+        tiers = {**window("standard", k=k), **window("economy", k=k)}
+        policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(t), mean_iteration_ms=iteration_ms,
+                           mean_batch_size=4.0))
+
+    for t in range(1, 5):
+        tick(t, 2, float(policy._step_ms(np.array([[0, 2, 2]]), np.array([0.0, 0.5, 0.5]), 4.0)[0]))
+    tick(5, 0, 3 * plain_ms)  # a long k = 2 step ends in the first window reported at k = 0
+    tick(6, 0, 3 * plain_ms)  # (and, at most, in the next)
+    assert policy.plain_step_correction == 1.0
+    tick(7, 0, 2 * plain_ms)  # steady: two windows before ran k = 0 too
+    assert policy.plain_step_correction > 1.0

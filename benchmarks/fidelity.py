@@ -298,6 +298,15 @@ def threshold_trajectory_error(real: list[dict[str, Any]], sim: list[dict[str, A
     return {"mean_abs_diff": float(np.abs(r - s).mean()), "real_mean": float(r.mean()), "sim_mean": float(s.mean())}
 
 
+def _profile_prefill_ms(lat: Any, calls: int, tokens: float, k: int) -> float:
+    """The profile's prefill over ``calls`` admissions of ``tokens`` prompt tokens in all, every request
+    joining at draft length ``k`` (at k > 0 the draft prefills too, where the profile has it apart)."""
+    fixed, per_token = lat.prefill_fixed_ms, lat.prefill_ms_per_token
+    if k > 0:
+        fixed, per_token = fixed + lat.draft_prefill_fixed_ms, per_token + lat.draft_prefill_ms_per_token
+    return float(fixed * calls + per_token * tokens)
+
+
 def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, profile: Any,
                   real_records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any] | None:
     """Where the simulator's error comes from, from the replica's counters over the scenario."""
@@ -332,8 +341,7 @@ def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, p
         "tokens_per_row_iteration_profile": predicted_tokens,
         "tokens_per_iteration_rel_error": _rel(predicted_tokens, real_tokens),
         "prefill_ms_real_total": d["prefill_time_s"] * 1e3,
-        "prefill_ms_profile_total_upper": lat.prefill_fixed_ms * prefill_calls
-        + lat.prefill_ms_per_token * d["prefill_tokens"],
+        "prefill_ms_profile_total_upper": _profile_prefill_ms(lat, prefill_calls, d["prefill_tokens"], k),
         "acceptance_rate_real": d["accepted"] / d["drafted"] if d["drafted"] else None,
     }
 
@@ -699,7 +707,7 @@ def _against_profile(parts: dict[str, Any] | None, profile: Any, real_records: l
     step = float(lat.iteration_ms(parts["mean_batch"], args.k))
     tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k, parts["mean_batch"])
     ok = [r for r in real_records if r.get("fsd")]
-    prefill = lat.prefill_fixed_ms * max(1, len(ok)) + lat.prefill_ms_per_token * sum(r.get("prompt_tokens", 0) for r in ok)
+    prefill = _profile_prefill_ms(lat, max(1, len(ok)), sum(r.get("prompt_tokens", 0) for r in ok), args.k)
     out = {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),
            "tokens_per_row_iteration_profile": tokens,
            "tokens_per_iteration_rel_error": _rel(tokens, parts["tokens_per_row_iteration_real"]),

@@ -724,6 +724,7 @@ class ModelPredictivePolicy:
         return np.asarray(np.where(starts, catch_up_ms / max(length, 1.0), 0.0), dtype=float)
 
     def _shares_or_default(self) -> np.ndarray:
+        """The measured tier shares; before any traffic, the default tier alone."""
         if np.isnan(self.shares).any():
             shares = np.zeros(len(self.tier_names))
             shares[self.tier_names.index(self.slo.default_tier)] = 1.0
@@ -777,10 +778,7 @@ class ModelPredictivePolicy:
         self._last_time_s = telemetry.time_s
         self._observe(telemetry)
         n_t = len(self.tier_names)
-        shares = self.shares.copy()
-        if np.isnan(shares).any():  # no traffic seen yet: plan for the default tier alone
-            shares = np.zeros(n_t)
-            shares[self.tier_names.index(self.slo.default_tier)] = 1.0
+        shares = self._shares_or_default().copy()
         active = shares >= 0.02
         shares = np.where(active, shares, 0.0)
         shares /= shares.sum()

@@ -15,6 +15,11 @@ Real figures (default pair; minutes)::
 
     .venv/bin/python benchmarks/load.py --pair smollm2-135m --phase-s 60 --rates 0.5,3
 
+The machine's speed drifts over minutes (on the 2-core CPU machines, the same configuration's p50 TPOT
+moved by 1.5x between runs), and configurations run one after another: ``--rounds 2`` runs them in a
+palindrome (A B C C B A), so a drift linear in time weighs on each configuration alike; a configuration's
+figures and the criterion pool its rounds' requests, and each round's figures are kept in the report.
+
 Drive a service that already runs (``fsd serve``; e.g. to record its traffic, docs/rollout.md) with
 ``--url`` (admin token: ``--token`` or ``$FSD_ADMIN_TOKEN``) and ``--configs live`` (keep its policy)::
 
@@ -149,6 +154,24 @@ def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
         return spec
     raise ValueError(f"unknown configuration {name!r}; expected static0, plain, static0k4, ceiling, static:T[:k], "
                      "slo or live")
+
+
+def round_order(configs: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, configuration) in run order: the list forwards, then backwards, alternately (a palindrome
+    for two rounds), so each configuration's mean position in time is the same."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    return [(r, name) for r in range(rounds) for name in (configs if r % 2 == 0 else configs[::-1])]
+
+
+def pool_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per configuration (first-run order) with every round's records and threshold samples."""
+    pooled: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        into = pooled.setdefault(run["name"], {**run, "records": [], "t_samples": []})
+        into["records"] = into["records"] + run["records"]
+        into["t_samples"] = into["t_samples"] + run["t_samples"]
+    return list(pooled.values())
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -293,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: static0, plain (T = 0, k = 0), static0k4 (T = 0, k = 4), ceiling, "
                         "static:T or static:T:k (a static point for the benchmarked tier), slo, live (keep the "
                         "service's policy)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations this many times, forwards then backwards (a palindrome for 2: "
+                        "a linear drift of the machine's speed weighs on each alike); figures pool the rounds")
     p.add_argument("--url", default=None, help="drive this running service instead of starting one")
     p.add_argument("--token", default=None, help="with --url: admin token (default $FSD_ADMIN_TOKEN)")
     p.add_argument("--slo-policy", default='{"policy": "slo"}', help="JSON policy spec for the 'slo' config (default: the shipped SLO policy)")
@@ -312,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     from controller.config import parse_config
     from controller.runtime import Service
 
+    try:
+        order = round_order([c.strip() for c in args.configs.split(",") if c.strip()], args.rounds)
+    except ValueError as e:
+        raise SystemExit(f"--rounds: {e}") from None
     rates = [float(x) for x in args.rates.split(",")]
     if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
         raise SystemExit(f"--rates must be positive numbers, got {args.rates!r}")
@@ -360,10 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     service = Service(cfg, quiet=True)
     try:
         url = args.url.rstrip("/") if args.url else service.start()
-        for name in args.configs.split(","):
-            print(f"load: {name}: {len(times)} requests over {duration:.0f}s", file=sys.stderr, flush=True)
+        for r, name in order:
+            print(f"load: {name} (round {r + 1}/{args.rounds}): {len(times)} requests over {duration:.0f}s",
+                  file=sys.stderr, flush=True)
             run = asyncio.run(run_config(url, name, times, args, token))
             run["tier"] = args.tier
+            run["round"] = r
             runs.append(run)
     finally:
         service.stop()
@@ -373,15 +405,19 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "interval_s": args.interval,
         "tiers": args.tiers, "url": args.url,
         "replicas": args.replicas, "slo": slo, "command": " ".join([sys.executable, *sys.argv]),
-        "configs": [summarise(r, tpot_target, duration) for r in runs],
-        "runs": [{k: r[k] for k in ("name", "records", "t_samples")} for r in runs],
+        "rounds": args.rounds,
+        "configs": [summarise(r, tpot_target, duration * args.rounds) for r in pool_rounds(runs)],
+        "runs": [{k: r[k] for k in ("name", "round", "records", "t_samples")} for r in runs],
     }
+    if args.rounds > 1:
+        report["configs_by_round"] = [{"round": r["round"], **summarise(r, tpot_target, duration)} for r in runs]
     report["criterion"] = criterion(report["configs"], slo["tiers"][args.tier])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     png = Path(args.png) if args.png else out.with_suffix(".png")
-    plot(runs, args.tier, tpot_target, args.phase_s, rates, png)
+    plot([{**r, "name": f"{r['name']} #{r['round'] + 1}"} if args.rounds > 1 else r for r in runs],
+         args.tier, tpot_target, args.phase_s, rates, png)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     print(f"load: wrote {out} and {png}", file=sys.stderr)
     return 0

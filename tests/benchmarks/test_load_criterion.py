@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.load import criterion, policy_spec
+from benchmarks.load import criterion, policy_spec, pool_rounds, round_order
 
 
 def _args(**kw: Any) -> argparse.Namespace:
@@ -66,3 +66,23 @@ def test_where_none_meets_it_the_policy_must_come_within_a_point_of_the_best_wit
 def test_no_criterion_without_both_kinds_of_configuration() -> None:
     assert criterion([_config("plain", 0.2, 0.0)], TIER) is None
     assert criterion([_config("slo", 0.2, 0.0, static=False)], TIER) is None
+
+
+def test_rounds_run_as_a_palindrome_so_a_linear_drift_weighs_on_each_configuration_alike() -> None:
+    order = round_order(["plain", "ceiling", "slo"], 2)
+    assert order == [(0, "plain"), (0, "ceiling"), (0, "slo"), (1, "slo"), (1, "ceiling"), (1, "plain")]
+    mean_position = {name: sum(i for i, (_, n) in enumerate(order) if n == name) / 2 for name in ("plain", "slo")}
+    assert mean_position["plain"] == mean_position["slo"] == 2.5
+    assert round_order(["a", "b"], 1) == [(0, "a"), (0, "b")]
+    with pytest.raises(ValueError, match="got 0"):
+        round_order(["a"], 0)
+
+
+def test_pooled_rounds_keep_every_request_of_a_configuration_once() -> None:
+    runs = [{"name": n, "round": r, "spec": {}, "records": [{"i": i, "r": r} for i in range(3)],
+             "t_samples": [{"t_s": float(r)}]} for r, n in round_order(["plain", "slo"], 2)]
+    pooled = pool_rounds(runs)
+    assert [p["name"] for p in pooled] == ["plain", "slo"]
+    assert sorted((q["r"], q["i"]) for q in pooled[1]["records"]) == [(r, i) for r in (0, 1) for i in range(3)]
+    assert [s["t_s"] for s in pooled[0]["t_samples"]] == [0.0, 1.0]
+    assert len(runs[0]["records"]) == 3  # the rounds' own runs are left as they were

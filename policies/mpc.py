@@ -85,6 +85,7 @@ import numpy as np
 
 from policies.decision import Decision
 from policies.slo import SLOSpec, TierSLO, tiers_by_budget
+from policies.step_correction import StepCorrection
 from policies.telemetry import Telemetry
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -313,6 +314,7 @@ class ModelPredictivePolicy:
       stop); a tier measured short plans to its budget itself.
     * ``alpha`` — EWMA weight of the newest window in the model corrections and tier shares.
     * ``rate_decay`` — per-window decay of the sums behind the arrival rate and mean output length.
+    * ``step_decay`` — per-window decay of the step-time fits (:class:`StepCorrection`).
     * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
     * ``batch_z`` — plan for the batch's upper quantile ``B̄ + z·sqrt(B̄)`` (Poisson occupancy).
     * ``short_enter`` / ``short_exit`` — a tier whose measured attainment (EWMA over pooled samples)
@@ -339,6 +341,7 @@ class ModelPredictivePolicy:
         budget_margin: float = 0.1,
         alpha: float = 0.3,
         rate_decay: float = 0.97,
+        step_decay: float = 0.9,
         min_samples: int = 5,
         batch_z: float = 1.65,
         short_enter: float = 0.05,
@@ -364,6 +367,9 @@ class ModelPredictivePolicy:
         if not (0 <= rate_decay < 1):
             raise ValueError(f"rate_decay must be in [0, 1), got {rate_decay}")
         self.rate_decay = rate_decay
+        if not (0 <= step_decay < 1):
+            raise ValueError(f"step_decay must be in [0, 1), got {step_decay}")
+        self.step_decay = step_decay
         if not (math.isfinite(batch_z) and batch_z >= 0):
             raise ValueError(f"batch_z must be finite and >= 0, got {batch_z}")
         self.batch_z = batch_z
@@ -484,8 +490,10 @@ class ModelPredictivePolicy:
         # (int8 draft steps and a wider verify): the machine's state moves them differently (the
         # default pair's real step load B, sessions 11 → 12: plain steps 1.76× slower, T = 4, k = 4
         # steps 1.46×), and one correction learned at k = 0 alone would mis-rank every k > 0 candidate.
-        self.plain_step_correction = 1.0
-        self.draft_step_correction = 1.0
+        # Each corrects the fixed and per-row parts apart (session 13: plain steps at the model's time
+        # at one row, 1.6× at seven), so what a light phase teaches carries to a full batch.
+        self.plain_step = StepCorrection(decay=self.step_decay)
+        self.draft_step = StepCorrection(decay=self.step_decay)
         cost = self.model.cost
         # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
         self.prefill_ms = {
@@ -592,13 +600,11 @@ class ModelPredictivePolicy:
         if (self.current and steady and all(steady.values()) and math.isfinite(telemetry.mean_iteration_ms)
                 and math.isfinite(telemetry.mean_batch_size)):
             shares = self.shares if not np.isnan(self.shares).any() else np.full(len(self.tier_names), 1.0)
-            modelled = float(self._step_ms(ks_now, shares, telemetry.mean_batch_size)[0])
-            if modelled > 0:
-                ratio = min(max(telemetry.mean_iteration_ms / modelled, 0.3), 3.0)
-                if int(np.where(shares > 0, ks_now[0], 0).max()) == 0:
-                    self.plain_step_correction = _ewma(self.plain_step_correction, ratio, a)
-                else:
-                    self.draft_step_correction = _ewma(self.draft_step_correction, ratio, a)
+            fixed_ms = float(self._step_ms(ks_now, shares, 0.0)[0])
+            per_row_ms = float(self._step_ms(ks_now, shares, 1.0)[0]) - fixed_ms
+            plain = int(np.where(shares > 0, ks_now[0], 0).max()) == 0
+            fit = self.plain_step if plain else self.draft_step
+            fit.observe(telemetry.mean_iteration_ms, fixed_ms, per_row_ms, telemetry.mean_batch_size)
         for i, name in enumerate(self.tier_names):
             window = telemetry.tiers.get(name)
             if window is None:
@@ -663,9 +669,11 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
-    def _step_correction(self, plain: np.ndarray) -> np.ndarray:
-        """[candidates] the step-time correction of each candidate's kind of step (plain or speculative)."""
-        return np.where(plain, self.plain_step_correction, self.draft_step_correction)
+    def _step_correction(self, plain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[candidates] the corrections of the fixed and of the per-row step time of each candidate's kind
+        of step (plain or speculative)."""
+        return (np.where(plain, self.plain_step.fixed, self.draft_step.fixed),
+                np.where(plain, self.plain_step.per_row, self.draft_step.per_row))
 
     def _stall(self, lam: float, act_idx: Sequence[int], ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
         """[candidates] share of a replica's time its running rows stall for joiners' prefills at ``lam``
@@ -810,9 +818,9 @@ class ModelPredictivePolicy:
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
-        correction = self._step_correction(u.plain)
-        f = u.fixed * correction
-        p = (u.fixed + per_seq) * correction - f
+        fixed_correction, per_row_correction = self._step_correction(u.plain)
+        f = u.fixed * fixed_correction
+        p = per_seq * per_row_correction
         by_batch = u.tokens_minus_1_by_batch
         if by_batch is not None:  # acceptance depends on the batch: start from the batch running now
             tokens = self._tokens_at(by_batch, np.full(n, running_now), u.ks_plus_1)
@@ -932,8 +940,9 @@ class ModelPredictivePolicy:
                                      replicas)
         scaling = "" if wanted is None else f", {replicas} replicas serving, {wanted} wanted"
         reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
-                  f"queue {queue:.2g}/replica{scaling}, step correction plain {self.plain_step_correction:.2f} / "
-                  f"speculative {self.draft_step_correction:.2f}; " + "; ".join(parts))
+                  f"queue {queue:.2g}/replica{scaling}, step correction (fixed, per row) plain "
+                  f"{self.plain_step.fixed:.2f}, {self.plain_step.per_row:.2f} / speculative "
+                  f"{self.draft_step.fixed:.2f}, {self.draft_step.per_row:.2f}; " + "; ".join(parts))
         self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, replicas=wanted, reason=reason)
         return self.last_decision
 
@@ -947,9 +956,10 @@ class ModelPredictivePolicy:
         sees the queue and the measured shortfall). ``tokens`` are :meth:`decide`'s, at the batch it
         planned for the load now (a batch-dependent model is not re-read at each count)."""
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
-        correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1) == 0)
-        f = self._step_ms(ks, shares, 0.0) * correction
-        p = self._step_ms(ks, shares, 1.0) * correction - f
+        fixed_correction, per_row_correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1) == 0)
+        fixed = self._step_ms(ks, shares, 0.0)
+        f = fixed * fixed_correction
+        p = (self._step_ms(ks, shares, 1.0) - fixed) * per_row_correction
         mean_tokens = (tokens * shares).sum(axis=1)
         x = lam * length / (1000.0 * mean_tokens)
         denom = 1.0 - x * p
@@ -1018,6 +1028,7 @@ class ModelPredictivePolicy:
             "budget_margin": self.budget_margin,
             "alpha": self.alpha,
             "rate_decay": self.rate_decay,
+            "step_decay": self.step_decay,
             "min_samples": self.min_samples,
             "batch_z": self.batch_z,
             "short_enter": self.short_enter,

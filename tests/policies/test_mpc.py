@@ -485,16 +485,18 @@ def test_plain_and_speculative_steps_are_corrected_apart() -> None:
         tiers = {**window("standard", k=0), **window("economy", k=0)}
         policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(tick), mean_iteration_ms=2 * plain_ms,
                            mean_batch_size=4.0))
-    assert policy.plain_step_correction == pytest.approx(2.0, rel=0.05)
-    assert policy.draft_step_correction == 1.0
+    assert (policy.plain_step.fixed, policy.plain_step.per_row) == pytest.approx((2.0, 2.0), rel=0.05)
+    assert (policy.draft_step.fixed, policy.draft_step.per_row) == (1.0, 1.0)
     # The step a k = 2 candidate is predicted to take is the model's, a plain one twice the model's.
-    assert policy._step_correction(np.array([True, False])) == pytest.approx([policy.plain_step_correction, 1.0])
+    fixed_correction, per_row_correction = policy._step_correction(np.array([True, False]))
+    assert fixed_correction == pytest.approx([2.0, 1.0], rel=0.05)
+    assert per_row_correction == pytest.approx([2.0, 1.0], rel=0.05)
     spec_ms = float(policy._step_ms(np.array([[0, 2, 2]]), np.array([0.0, 0.5, 0.5]), 4.0)[0])
     for tick in range(11, 21):
         policy.current = {n: (0.0, 2) for n in policy.tier_names}
         policy.decide(load(4, arrivals=0, time_s=float(tick), mean_iteration_ms=0.8 * spec_ms, mean_batch_size=4.0))
-    assert policy.draft_step_correction == pytest.approx(0.8, rel=0.05)
-    assert policy.plain_step_correction == pytest.approx(2.0, rel=0.05)
+    assert policy.draft_step.at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.05)
+    assert policy.plain_step.at(1.0, 1.0, 1.0) == pytest.approx(2.0, rel=0.05)
 
 
 def test_the_window_after_a_change_does_not_correct_the_step() -> None:
@@ -513,6 +515,26 @@ def test_the_window_after_a_change_does_not_correct_the_step() -> None:
         tick(t, 2, float(policy._step_ms(np.array([[0, 2, 2]]), np.array([0.0, 0.5, 0.5]), 4.0)[0]))
     tick(5, 0, 3 * plain_ms)  # a long k = 2 step ends in the first window reported at k = 0
     tick(6, 0, 3 * plain_ms)  # (and, at most, in the next)
-    assert policy.plain_step_correction == 1.0
+    assert policy.plain_step.windows == 0
     tick(7, 0, 2 * plain_ms)  # steady: two windows before ran k = 0 too
-    assert policy.plain_step_correction > 1.0
+    assert policy.plain_step.windows == 1 and policy.plain_step.fixed > 1.0
+
+
+def test_a_step_correction_learned_at_small_batches_carries_to_a_full_batch() -> None:
+    """Plain steps whose per-row part runs 3x the model's and fixed part 0.8x, seen at 1-3 rows only: the
+    policy's plain step at 8 rows comes within 10 % of the service's (one ratio at those batches: 25 % short)."""
+    policy = ModelPredictivePolicy(make_slo(), toy_model())
+    cost = policy.model.cost
+    fixed, per_row = cost.plain_fixed_ms, cost.plain_per_seq_ms
+    for tick in range(1, 31):
+        batch = float(1 + tick % 3)
+        policy.current = {n: (0.0, 0) for n in policy.tier_names}
+        tiers = {**window("standard", k=0), **window("economy", k=0)}
+        policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(tick), mean_batch_size=batch,
+                           mean_iteration_ms=0.8 * fixed + 3.0 * per_row * batch))
+    fixed_correction, per_row_correction = policy._step_correction(np.array([True]))
+    predicted_at_8 = float(fixed_correction[0]) * fixed + float(per_row_correction[0]) * per_row * 8
+    truth_at_8 = 0.8 * fixed + 3.0 * per_row * 8
+    assert predicted_at_8 == pytest.approx(truth_at_8, rel=0.10)
+    ratio_at_2 = (0.8 * fixed + 3.0 * per_row * 2) / (fixed + per_row * 2)
+    assert ratio_at_2 * (fixed + per_row * 8) < 0.9 * truth_at_8  # what one ratio would have predicted

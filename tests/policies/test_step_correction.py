@@ -1,0 +1,64 @@
+"""policies.step_correction: the fixed and per-row parts of a step corrected apart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.step_correction import StepCorrection
+
+FIXED, PER_ROW = 90.0, 9.0  # the model: 90 ms + 9 ms per row
+
+
+def test_windows_at_one_batch_give_one_ratio_for_both_parts() -> None:
+    c = StepCorrection()
+    for _ in range(20):
+        c.observe(1.5 * (FIXED + PER_ROW * 2), FIXED, PER_ROW, 2.0)
+    assert c.fixed == pytest.approx(1.5) and c.per_row == pytest.approx(1.5)
+    assert c.at(FIXED, PER_ROW, 8.0) == pytest.approx(1.5)
+
+
+def test_windows_across_batches_separate_the_parts_and_extrapolate_to_a_full_batch() -> None:
+    """The service's steps are 0.8·fixed + 3·per-row (the machine's per-row cost tripled): windows at 1-4
+    rows recover both, so the step at 8 rows is predicted within a few percent; a single ratio learned at
+    those batches would be ~25 % short."""
+    rng = np.random.default_rng(0)
+    c = StepCorrection()
+    ratios = []
+    for _ in range(40):
+        b = float(rng.uniform(1.0, 4.0))
+        measured = (0.8 * FIXED + 3.0 * PER_ROW * b) * float(rng.normal(1.0, 0.03))
+        ratios.append(measured / (FIXED + PER_ROW * b))
+        c.observe(measured, FIXED, PER_ROW, b)
+    truth_at_8 = 0.8 * FIXED + 3.0 * PER_ROW * 8
+    predicted_at_8 = c.fixed * FIXED + c.per_row * PER_ROW * 8
+    assert predicted_at_8 == pytest.approx(truth_at_8, rel=0.06)
+    assert c.per_row > 2.0 > 1.0 > c.fixed
+    one_ratio = float(np.mean(ratios[-10:])) * (FIXED + PER_ROW * 8)
+    assert one_ratio < 0.85 * truth_at_8
+
+
+def test_old_windows_fade_so_a_new_machine_state_takes_over() -> None:
+    c = StepCorrection(decay=0.8)
+    for _ in range(30):
+        c.observe(2.0 * (FIXED + PER_ROW * 3), FIXED, PER_ROW, 3.0)
+    for _ in range(30):
+        c.observe(1.0 * (FIXED + PER_ROW * 3), FIXED, PER_ROW, 3.0)
+    assert c.at(FIXED, PER_ROW, 3.0) == pytest.approx(1.0, abs=0.01)
+
+
+def test_ratios_and_factors_stay_within_bounds() -> None:
+    c = StepCorrection(bounds=(0.5, 2.0))
+    for _ in range(10):
+        c.observe(100.0 * (FIXED + PER_ROW), FIXED, PER_ROW, 1.0)
+    assert c.fixed == pytest.approx(2.0) and c.per_row == pytest.approx(2.0)
+    c.observe(float("nan"), FIXED, PER_ROW, 1.0)  # a window without a measured step teaches nothing
+    assert c.windows == 10
+
+
+@pytest.mark.parametrize(("kw", "match"), [({"decay": 1.0}, "decay"), ({"prior_weight": 0.0}, "prior_weight"),
+                                           ({"prior_spread": -1.0}, "prior_spread"),
+                                           ({"bounds": (1.2, 3.0)}, "bounds")])
+def test_bad_settings_name_the_offending_value(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepCorrection(**kw)  # type: ignore[arg-type]

@@ -162,6 +162,8 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), max_batch=0)
     with pytest.raises(ValueError, match="budget_margin"):
         ModelPredictivePolicy(make_slo(), toy_model(), budget_margin=1.0)
+    with pytest.raises(ValueError, match="step_decay must be in \\[0, 1\\), got 1.0"):
+        ModelPredictivePolicy(make_slo(), toy_model(), step_decay=1.0)
 
 
 def steady(policy: ModelPredictivePolicy, arrivals: int, replicas: int, ticks: int, start: int = 0,

@@ -60,10 +60,12 @@ def service(ray_serve: RayServe) -> Iterator[str]:
     from controller.app import build_app
     from controller.config import parse_config
 
-    # A health-check timeout and a step-hang limit far above the stopped-replica test's wait: the frozen
-    # replica must stay the same process (the 30 s default timeout let Serve replace it mid-test on a slow
-    # CI machine; a step it was running when frozen would read as hung after step_hang_s).
-    cfg = _config(APP, PREFIX, serve={"health_check_timeout_s": 600.0})
+    # A health-check timeout, a step-hang limit and a request deadline far above the stopped-replica
+    # test's wait: the frozen replica must stay the same process (the 30 s default timeout let Serve
+    # replace it mid-test on a slow CI machine; a step it was running when frozen would read as hung after
+    # step_hang_s), and its streams must outlive the freeze (session 13's fresh clone, beside the vLLM
+    # tests: the tests' 60 s deadline ended two of them with an explicit timeout error).
+    cfg = _config(APP, PREFIX, serve={"health_check_timeout_s": 600.0}, http={"request_timeout_s": 600.0})
     cfg["replica"]["step_hang_s"] = 600.0
     serve.run(build_app(parse_config(cfg)), name=APP, route_prefix=PREFIX)
     url = f"{ray_serve.base_url}{PREFIX}"

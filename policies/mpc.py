@@ -315,6 +315,9 @@ class ModelPredictivePolicy:
     * ``alpha`` — EWMA weight of the newest window in the model corrections and tier shares.
     * ``rate_decay`` — per-window decay of the sums behind the arrival rate and mean output length.
     * ``step_decay`` — per-window decay of the step-time fits (:class:`StepCorrection`).
+    * ``switch_margin`` — a candidate of the other kind of step than the one in force (plain ↔
+      speculative) is ranked as if its steps took this much longer: a switch must pay by more than the
+      fits' noise (each kind is corrected from its own few windows), or k flips back and forth.
     * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
     * ``batch_z`` — plan for the batch's upper quantile ``B̄ + z·sqrt(B̄)`` (Poisson occupancy).
     * ``short_enter`` / ``short_exit`` — a tier whose measured attainment (EWMA over pooled samples)
@@ -342,6 +345,7 @@ class ModelPredictivePolicy:
         alpha: float = 0.3,
         rate_decay: float = 0.97,
         step_decay: float = 0.9,
+        switch_margin: float = 0.1,
         min_samples: int = 5,
         batch_z: float = 1.65,
         short_enter: float = 0.05,
@@ -370,6 +374,9 @@ class ModelPredictivePolicy:
         if not (0 <= step_decay < 1):
             raise ValueError(f"step_decay must be in [0, 1), got {step_decay}")
         self.step_decay = step_decay
+        if not (math.isfinite(switch_margin) and switch_margin >= 0):
+            raise ValueError(f"switch_margin must be finite and >= 0, got {switch_margin}")
+        self.switch_margin = switch_margin
         if not (math.isfinite(batch_z) and batch_z >= 0):
             raise ValueError(f"batch_z must be finite and >= 0, got {batch_z}")
         self.batch_z = batch_z
@@ -691,6 +698,14 @@ class ModelPredictivePolicy:
         """[candidates] traffic share of the tiers that draft (k > 0) in each candidate row of ``ks``."""
         return np.asarray(_row_sums((ks > 0) * shares), dtype=float)
 
+    def _switches_kind(self, plain: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """[candidates] 1.0 where a candidate's kind of step (``plain``: every active tier at k = 0)
+        differs from the kind in force over the ``active`` tiers, else 0.0 (0.0 before any decision)."""
+        if not self.current:
+            return np.zeros(plain.size)
+        plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
+        return np.asarray(plain != plain_now, dtype=float)
+
     def _ks_now(self) -> np.ndarray:
         """[tiers] the draft lengths in force: the last decision's (0 before any)."""
         return np.array([self.current.get(n, (0.0, 0))[1] for n in self.tier_names], dtype=np.int64)
@@ -851,6 +866,11 @@ class ModelPredictivePolicy:
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
         cost = step / (batch * mean_tokens)  # ms of replica time per output token
 
+        # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
+        switch = 1.0 + self.switch_margin * self._switches_kind(u.plain, active)
+        tpot_ranked = tpot * switch[:, None]
+        cost = cost * switch
+
         meets = np.ones((n, n_t), dtype=bool)
         # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.
         ratios: dict[int, list[np.ndarray]] = {i: [] for i in act_idx}
@@ -860,7 +880,7 @@ class ModelPredictivePolicy:
             tier = self.slo.tiers[name]
             m = self.margin[name]
             if tier.tpot_ms is not None:
-                ratio = m * tpot[:, i] / tier.tpot_ms
+                ratio = m * tpot_ranked[:, i] / tier.tpot_ms
                 meets[:, i] &= ratio <= 1.0
                 ratios[i].append(ratio)
             if tier.ttft_ms is not None:
@@ -891,7 +911,7 @@ class ModelPredictivePolicy:
         else:
             pool = np.flatnonzero(within)
             mode = "best effort"
-        best_effort_tpot = np.round(_row_sums(tpot[pool][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
+        best_effort_tpot = np.round(_row_sums(tpot_ranked[pool][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
         distortion_pool = u.base_distortion[pool] * self.distortion_correction
         distortion_keys = [np.round(distortion_pool[:, i], 4) for i in self._distortion_order]
         if mode == "meets":
@@ -1029,6 +1049,7 @@ class ModelPredictivePolicy:
             "alpha": self.alpha,
             "rate_decay": self.rate_decay,
             "step_decay": self.step_decay,
+            "switch_margin": self.switch_margin,
             "min_samples": self.min_samples,
             "batch_z": self.batch_z,
             "short_enter": self.short_enter,

@@ -8,8 +8,14 @@ at 1-2 rows in a light phase, it had plain decoding meeting the target at a full
 
 So the correction is a line in the per-row part's share of the modelled step, ``s = P·B / (F + P·B)``:
 ``measured / modelled = a + (b − a)·s``, i.e. ``measured = a·F + b·P·B``. Windows at different batches
-fit both (a weighted line, its slope shrunk toward 0), so windows at one batch give ``a = b`` = their
-ratio (one scalar correction, as before) until the batch moves.
+fit both; windows at one batch give ``a = b`` = their ratio (one scalar correction) until the batch moves.
+
+The slope is a ridge estimate (a Gaussian prior on it, centred on 0): its pull is the windows' residual
+variance over the prior's, so it takes what a spread of batches shows clearly and little of what noise
+shows. Why: at a light load a window holds a handful of steps, its ratio moves ±20 % from one window to the
+next (session 13, step load B seed 3: 1.27 → 1.66 at one row within three windows), and a line through
+windows at one and two rows extrapolated that noise to a per-row factor at the 4.0 bound — plain decoding
+then looked twice as slow at a full batch as it ran, and the policy drafted where plain decoding paid.
 """
 
 from __future__ import annotations
@@ -21,29 +27,32 @@ class StepCorrection:
     """Measured / modelled step time as ``a·fixed + b·per_row·B``, fitted from windows online.
 
     The fit is a weighted line of the windows' ratio in their per-row share ``s``: the mean ratio at the
-    mean share, and a slope shrunk toward 0 as if ``prior_weight`` more windows sat at the mean ratio
-    ``prior_spread`` either side of the mean share (windows at one batch: slope 0, one ratio).
+    mean share, and a ridge slope ``Sxy / (Sxx + σ²/τ²)``, with ``σ²`` the windows' residual variance
+    about the least-squares line (``noise_prior`` counted as ``noise_weight`` windows until enough are in)
+    and ``τ`` = ``slope_prior``, the prior's spread of the slope (ratio per unit of share).
 
     * ``decay`` — per-window decay of the fit's sums (memory ~1 / (1 − decay) windows).
     * ``bounds`` — clip of each window's ratio and of each factor.
     """
 
-    def __init__(self, decay: float = 0.9, prior_weight: float = 2.0, prior_spread: float = 0.03,
-                 bounds: tuple[float, float] = (0.25, 4.0)) -> None:
+    def __init__(self, decay: float = 0.9, slope_prior: float = 1.5, noise_prior: float = 0.1,
+                 noise_weight: float = 2.0, bounds: tuple[float, float] = (0.25, 4.0)) -> None:
         if not (0 <= decay < 1):
             raise ValueError(f"decay must be in [0, 1), got {decay}")
-        if not (prior_weight > 0 and math.isfinite(prior_weight)):
-            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
-        if not (prior_spread > 0 and math.isfinite(prior_spread)):
-            raise ValueError(f"prior_spread must be > 0, got {prior_spread}")
+        for label, value in (("slope_prior", slope_prior), ("noise_prior", noise_prior),
+                             ("noise_weight", noise_weight)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{label} must be finite and > 0, got {value}")
         if not (0 < bounds[0] <= 1 <= bounds[1]):
             raise ValueError(f"bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
         self.decay, self.bounds = decay, bounds
-        self._shrink = prior_weight * prior_spread**2
-        # Decayed sums over windows: weight, s, s², ratio, s·ratio.
-        self._w = self._s = self._ss = self._y = self._sy = 0.0
+        self.slope_prior, self.noise_prior, self.noise_weight = slope_prior, noise_prior, noise_weight
+        # Decayed sums over windows: weight, s, s², ratio, ratio², s·ratio.
+        self._w = self._s = self._ss = self._y = self._yy = self._sy = 0.0
         self.fixed = 1.0  # a: the ratio at s = 0
         self.per_row = 1.0  # b: the ratio at s = 1
+        self.slope = 0.0  # b − a
+        self.noise = noise_prior  # σ: the windows' residual spread about the line
         self.windows = 0
 
     def observe(self, measured_ms: float, fixed_ms: float, per_row_ms: float, batch: float) -> None:
@@ -59,14 +68,20 @@ class StepCorrection:
         self._s = d * self._s + s
         self._ss = d * self._ss + s * s
         self._y = d * self._y + y
+        self._yy = d * self._yy + y * y
         self._sy = d * self._sy + s * y
         self.windows += 1
         w = self._w
         s_mean, y_mean = self._s / w, self._y / w
-        spread = max(self._ss - w * s_mean * s_mean, 0.0)  # Σ w (s − s̄)²
-        slope = (self._sy - w * s_mean * y_mean) / (spread + self._shrink)
-        self.fixed = min(max(y_mean - slope * s_mean, lo), hi)
-        self.per_row = min(max(y_mean + slope * (1.0 - s_mean), lo), hi)
+        sxx = max(self._ss - w * s_mean * s_mean, 0.0)  # Σ w (s − s̄)²
+        sxy = self._sy - w * s_mean * y_mean
+        syy = max(self._yy - w * y_mean * y_mean, 0.0)
+        rss = max(syy - sxy * sxy / sxx, 0.0) if sxx > 1e-12 else syy  # about the least-squares line
+        variance = (rss + self.noise_weight * self.noise_prior**2) / (max(w - 2.0, 0.0) + self.noise_weight)
+        self.noise = math.sqrt(variance)
+        self.slope = sxy / (sxx + variance / self.slope_prior**2)
+        self.fixed = min(max(y_mean - self.slope * s_mean, lo), hi)
+        self.per_row = min(max(y_mean + self.slope * (1.0 - s_mean), lo), hi)
 
     def at(self, fixed_ms: float, per_row_ms: float, batch: float) -> float:
         """The correction of a whole step of the model's ``fixed_ms + per_row_ms · batch`` (for reports)."""
@@ -76,4 +91,5 @@ class StepCorrection:
         return (self.fixed * fixed_ms + self.per_row * per_row_ms * batch) / modelled
 
     def __repr__(self) -> str:
-        return f"StepCorrection(fixed={self.fixed:.3g}, per_row={self.per_row:.3g}, windows={self.windows})"
+        return (f"StepCorrection(fixed={self.fixed:.3g}, per_row={self.per_row:.3g}, noise={self.noise:.3g}, "
+                f"windows={self.windows})")

@@ -164,6 +164,24 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), budget_margin=1.0)
     with pytest.raises(ValueError, match="step_decay must be in \\[0, 1\\), got 1.0"):
         ModelPredictivePolicy(make_slo(), toy_model(), step_decay=1.0)
+    with pytest.raises(ValueError, match="switch_margin must be finite and >= 0, got -0.1"):
+        ModelPredictivePolicy(make_slo(), toy_model(), switch_margin=-0.1)
+
+
+def test_a_switch_of_kind_must_pay_more_than_the_switch_margin() -> None:
+    """One light window, every tier meeting its target either way: without a margin the model's cheaper
+    kind (k = 2 at T = 0 on the toy model) is taken from either kind in force; with a 30 % margin the kind in
+    force is kept from either side, so noise in the two kinds' fits cannot flip k back and forth."""
+    def chosen(margin: float, k_now: int) -> set[int]:
+        policy = ModelPredictivePolicy(make_slo(), toy_model(), switch_margin=margin)
+        policy.current = {n: (0.0, k_now) for n in policy.tier_names}
+        decision = policy.decide(load(1, arrivals=0))
+        assert set(decision.thresholds.values()) == {0.0}
+        return set(decision.draft_lengths.values())
+
+    assert chosen(0.0, 0) == chosen(0.0, 2) == {2}
+    assert chosen(0.3, 0) == {0}
+    assert chosen(0.3, 2) == {2}
 
 
 def steady(policy: ModelPredictivePolicy, arrivals: int, replicas: int, ticks: int, start: int = 0,
@@ -195,7 +213,10 @@ def test_replicas_asked_for_grow_with_the_load_within_bounds() -> None:
 
 
 def test_replicas_held_until_the_rate_is_known_and_scaled_down_with_hysteresis() -> None:
-    policy = ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6)
+    # switch_margin 0: the kind of step follows the load at once, so the counts below are the planner's
+    # alone (with a margin the policy keeps the k > 0 it took at the higher load, and the stall the
+    # planner predicts, scaled from the prefill measured at the k in force, moves with it).
+    policy = ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6, switch_margin=0.0)
     # The first windows: one early burst of arrivals is not a rate; the fleet is held as it serves.
     first = steady(policy, 8, replicas=2, ticks=5)
     assert [d.replicas for d in first] == [2] * 5
@@ -204,8 +225,8 @@ def test_replicas_held_until_the_rate_is_known_and_scaled_down_with_hysteresis()
     # A little less load (shorter requests, within the slack) keeps the count; much less brings it down.
     slightly = [d.replicas for d in steady(policy, 2, replicas=high, ticks=60, start=65, length=46)]
     assert slightly == [high] * 60, (slightly, high)
-    assert steady(ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6), 2, replicas=2, ticks=60,
-                  length=46)[-1].replicas == high - 1, "fresh, the lighter load asks for one fewer"
+    assert steady(ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=6, switch_margin=0.0), 2, replicas=2,
+                  ticks=60, length=46)[-1].replicas == high - 1, "fresh, the lighter load asks for one fewer"
     low = steady(policy, 1, replicas=high, ticks=120, start=125)[-1].replicas
     assert low is not None and low < high
 
@@ -430,7 +451,8 @@ def test_a_tier_that_starts_drafting_is_charged_the_drafts_catch_up() -> None:
     tiers = window("economy", k=0)
 
     def decide(model: OperatingModel, k_now: int) -> tuple[ModelPredictivePolicy, Decision]:
-        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0)
+        # switch_margin 0: the k = 0 → k > 0 switch pays the catch-up alone here.
+        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0, switch_margin=0.0)
         policy.current = {n: (0.0, k_now) for n in policy.tier_names}
         return policy, policy.decide(load(4, arrivals=0, tiers=tiers))
 

@@ -318,6 +318,8 @@ class ModelPredictivePolicy:
     * ``switch_margin`` — a candidate of the other kind of step than the one in force (plain ↔
       speculative) is ranked as if its steps took this much longer: a switch must pay by more than the
       fits' noise (each kind is corrected from its own few windows), or k flips back and forth.
+    * ``probe_after`` — windows without evidence on a kind of step after which, while a tier is
+      measured short, that kind is predicted optimistically (:meth:`_probing`).
     * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
     * ``batch_z`` — plan for the batch's upper quantile ``B̄ + z·sqrt(B̄)`` (Poisson occupancy).
     * ``short_enter`` / ``short_exit`` — a tier whose measured attainment (EWMA over pooled samples)
@@ -346,6 +348,7 @@ class ModelPredictivePolicy:
         rate_decay: float = 0.97,
         step_decay: float = 0.9,
         switch_margin: float = 0.1,
+        probe_after: int = 30,
         min_samples: int = 5,
         batch_z: float = 1.65,
         short_enter: float = 0.05,
@@ -377,6 +380,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(switch_margin) and switch_margin >= 0):
             raise ValueError(f"switch_margin must be finite and >= 0, got {switch_margin}")
         self.switch_margin = switch_margin
+        if probe_after < 1:
+            raise ValueError(f"probe_after must be >= 1, got {probe_after}")
+        self.probe_after = probe_after
         if not (math.isfinite(batch_z) and batch_z >= 0):
             raise ValueError(f"batch_z must be finite and >= 0, got {batch_z}")
         self.batch_z = batch_z
@@ -501,6 +507,8 @@ class ModelPredictivePolicy:
         # at one row, 1.6× at seven), so what a light phase teaches carries to a full batch.
         self.plain_step = StepCorrection(decay=self.step_decay)
         self.draft_step = StepCorrection(decay=self.step_decay)
+        self._ticks = 0
+        self._kind_seen = {True: -math.inf, False: -math.inf}  # plain?: the tick its fit last took a window
         cost = self.model.cost
         # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
         self.prefill_ms = {
@@ -612,6 +620,7 @@ class ModelPredictivePolicy:
             plain = int(np.where(shares > 0, ks_now[0], 0).max()) == 0
             fit = self.plain_step if plain else self.draft_step
             fit.observe(telemetry.mean_iteration_ms, fixed_ms, per_row_ms, telemetry.mean_batch_size)
+            self._kind_seen[plain] = self._ticks
         for i, name in enumerate(self.tier_names):
             window = telemetry.tiers.get(name)
             if window is None:
@@ -676,11 +685,40 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
-    def _step_correction(self, plain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _step_correction(self, plain: np.ndarray, probe: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
         """[candidates] the corrections of the fixed and of the per-row step time of each candidate's kind
-        of step (plain or speculative)."""
-        return (np.where(plain, self.plain_step.fixed, self.draft_step.fixed),
-                np.where(plain, self.plain_step.per_row, self.draft_step.per_row))
+        of step (plain or speculative). ``probe`` (the kind in force, plain or not; see
+        :meth:`_probing`): the other kind is taken at the lower of its own factors and the kind in force's."""
+        fixed = {True: self.plain_step.fixed, False: self.draft_step.fixed}
+        per_row = {True: self.plain_step.per_row, False: self.draft_step.per_row}
+        if probe is not None:
+            other = not probe
+            fixed[other] = min(fixed[other], fixed[probe])
+            per_row[other] = min(per_row[other], per_row[probe])
+        return np.where(plain, fixed[True], fixed[False]), np.where(plain, per_row[True], per_row[False])
+
+    def _probing(self, active: np.ndarray) -> bool | None:
+        """Optimism where evidence is missing and the SLO is being missed: while a tier with traffic is
+        measured short and the kind of step not in force has taught its fit nothing for ``probe_after``
+        windows (or never), that kind is predicted at the lower of its own and the kind in force's step
+        correction. Returns the kind in force (True: plain) when probing, else None.
+
+        Why: each kind is corrected only from windows that ran it, so the kind never run keeps the model's
+        step, and the machine moves both kinds — by different amounts, either way. On the default pair's
+        real step load B (session 14) the machine ran plain steps at 0.64x the model; speculative ones,
+        never run, stayed at 1.0x, so the policy decoded plainly through a burst it missed at 0.23
+        attainment where T = 4, k = 4 reached 0.58. Taking the measured kind's factors instead was
+        rejected in session 13 (that day plain steps ran 1.7x and T = 4, k = 4 1.2x: plain's factors would
+        have kept plain through the burst). A measured shortfall is the evidence that the choice is wrong;
+        a probe then measures the other kind, and its own windows take over."""
+        if not self.current:
+            return None
+        if not any(self.short[name] for i, name in enumerate(self.tier_names) if active[i]):
+            return None
+        plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
+        if self._ticks - self._kind_seen[not plain_now] < self.probe_after:
+            return None
+        return plain_now
 
     def _stall(self, lam: float, act_idx: Sequence[int], ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
         """[candidates] share of a replica's time its running rows stall for joiners' prefills at ``lam``
@@ -799,6 +837,7 @@ class ModelPredictivePolicy:
         if self._last_time_s is not None and telemetry.time_s <= self._last_time_s and self.last_decision:
             return self.last_decision
         self._last_time_s = telemetry.time_s
+        self._ticks += 1
         self._observe(telemetry)
         n_t = len(self.tier_names)
         shares = self._shares_or_default().copy()
@@ -833,7 +872,8 @@ class ModelPredictivePolicy:
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
-        fixed_correction, per_row_correction = self._step_correction(u.plain)
+        probe = self._probing(active)
+        fixed_correction, per_row_correction = self._step_correction(u.plain, probe=probe)
         f = u.fixed * fixed_correction
         p = per_seq * per_row_correction
         by_batch = u.tokens_minus_1_by_batch
@@ -959,8 +999,9 @@ class ModelPredictivePolicy:
         wanted = self._plan_replicas(ks, tokens, u.base_distortion * self.distortion_correction, shares, act_idx,
                                      replicas)
         scaling = "" if wanted is None else f", {replicas} replicas serving, {wanted} wanted"
+        probing = "" if probe is None else f", probing {'speculative' if probe else 'plain'} steps"
         reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
-                  f"queue {queue:.2g}/replica{scaling}, step correction (fixed, per row) plain "
+                  f"queue {queue:.2g}/replica{scaling}{probing}, step correction (fixed, per row) plain "
                   f"{self.plain_step.fixed:.2f}, {self.plain_step.per_row:.2f} / speculative "
                   f"{self.draft_step.fixed:.2f}, {self.draft_step.per_row:.2f}; " + "; ".join(parts))
         self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, replicas=wanted, reason=reason)
@@ -1050,6 +1091,7 @@ class ModelPredictivePolicy:
             "rate_decay": self.rate_decay,
             "step_decay": self.step_decay,
             "switch_margin": self.switch_margin,
+            "probe_after": self.probe_after,
             "min_samples": self.min_samples,
             "batch_z": self.batch_z,
             "short_enter": self.short_enter,

@@ -111,6 +111,7 @@ class MPCParams(_Params):
     rate_decay: float = Field(0.97, ge=0, lt=1)
     step_decay: float = Field(0.9, ge=0, lt=1)
     switch_margin: float = Field(0.1, ge=0)
+    probe_after: int = Field(30, ge=1)
     min_samples: int = Field(5, ge=1)
     batch_z: float = Field(1.65, ge=0)
     short_enter: float = Field(0.05, ge=0, le=1)

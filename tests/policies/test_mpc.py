@@ -166,6 +166,8 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), step_decay=1.0)
     with pytest.raises(ValueError, match="switch_margin must be finite and >= 0, got -0.1"):
         ModelPredictivePolicy(make_slo(), toy_model(), switch_margin=-0.1)
+    with pytest.raises(ValueError, match="probe_after must be >= 1, got 0"):
+        ModelPredictivePolicy(make_slo(), toy_model(), probe_after=0)
 
 
 def test_a_switch_of_kind_must_pay_more_than_the_switch_margin() -> None:
@@ -562,3 +564,36 @@ def test_a_step_correction_learned_at_small_batches_carries_to_a_full_batch() ->
     assert predicted_at_8 == pytest.approx(truth_at_8, rel=0.10)
     ratio_at_2 = (0.8 * fixed + 3.0 * per_row * 2) / (fixed + per_row * 2)
     assert ratio_at_2 * (fixed + per_row * 8) < 0.9 * truth_at_8  # what one ratio would have predicted
+
+
+def test_a_tier_missing_its_target_probes_the_kind_of_step_it_has_no_recent_evidence_on() -> None:
+    """Plain steps measured at 0.6x the model, speculative ones never run (so at the model's step): at the
+    model's step plain decoding looks fastest. While the tier is measured short, the unmeasured kind is
+    predicted at the measured kind's factors where lower, and the policy tries it (T = 4, k = 4); not short,
+    it keeps plain decoding. Once speculative steps are measured (3x the model here), the policy goes back and
+    does not probe again until that evidence is ``probe_after`` windows old."""
+    slo = make_slo(economy={"tpot_ms": 5.0})  # out of reach: every window misses, the tier goes short
+
+    def ticks(policy: ModelPredictivePolicy, start: int, n: int, k: int, ratio: float) -> Decision:
+        for tick in range(start, start + n):
+            policy.current = {name: (4.0 if k else 0.0, k) for name in policy.tier_names}
+            ms = ratio * float(policy._step_ms(np.array([[0, 0, k]]), np.array([0.0, 0.0, 1.0]), 6.0)[0])
+            decision = policy.decide(load(6, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=6.0,
+                                          tiers=window("economy", k=k, threshold=4.0 if k else 0.0, slo_met=0)))
+        return decision
+
+    calm = ModelPredictivePolicy(slo, toy_model(), short_enter=1.0, short_exit=1.0)  # never short
+    decision = ticks(calm, 1, 15, 0, 0.6)
+    assert decision.draft_lengths["economy"] == 0 and "probing" not in decision.reason
+
+    policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
+    decision = ticks(policy, 1, 15, 0, 0.6)
+    assert policy.short["economy"]
+    assert (decision.thresholds["economy"], decision.draft_lengths["economy"]) == (4.0, 4)
+    assert "probing speculative steps" in decision.reason
+    decision = ticks(policy, 16, 10, 4, 3.0)  # the probe: speculative steps 3x the model
+    assert policy.draft_step.at(1.0, 1.0, 1.0) > 2.0
+    decision = ticks(policy, 26, 20, 0, 0.6)  # back at plain decoding, the evidence recent
+    assert decision.draft_lengths["economy"] == 0 and "probing" not in decision.reason
+    decision = ticks(policy, 46, 20, 0, 0.6)  # 30 windows after the last speculative one: probe again
+    assert decision.draft_lengths["economy"] == 4 and "probing speculative steps" in decision.reason

@@ -710,7 +710,11 @@ class ModelPredictivePolicy:
         attainment where T = 4, k = 4 reached 0.58. Taking the measured kind's factors instead was
         rejected in session 13 (that day plain steps ran 1.7x and T = 4, k = 4 1.2x: plain's factors would
         have kept plain through the burst). A measured shortfall is the evidence that the choice is wrong;
-        a probe then measures the other kind, and its own windows take over."""
+        a probe then measures the other kind, and its own windows take over. While probing, the switch is
+        ranked without ``switch_margin`` and the draft's catch-up (a switch to k > 0) is charged to the rows
+        running now over them and the requests of the next ``probe_after`` windows, not to every request
+        (session 14: with 48-token requests the catch-up over four rows' backlog, charged to every token of
+        theirs, added 73 ms per token and kept plain decoding ahead of the probe)."""
         if not self.current:
             return None
         if not any(self.short[name] for i, name in enumerate(self.tier_names) if active[i]):
@@ -901,13 +905,19 @@ class ModelPredictivePolicy:
         # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
         stall = self._stall(lam, act_idx, ks, shares)
         # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
-        tpot = (step / (1.0 - stall))[:, None] / tokens + self._catch_up_tpot(ks, shares, running_now, length)[:, None]
+        catch_up = self._catch_up_tpot(ks, shares, running_now, length)
+        if probe is not None:
+            # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running
+            # now, not the requests that arrive over the next probe_after windows.
+            catch_up *= running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0))
+        tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
         cost = step / (batch * mean_tokens)  # ms of replica time per output token
 
         # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
-        switch = 1.0 + self.switch_margin * self._switches_kind(u.plain, active)
+        # No margin while probing: the margin guards against two noisy fits, and one of them is stale.
+        switch = 1.0 + (self.switch_margin if probe is None else 0.0) * self._switches_kind(u.plain, active)
         tpot_ranked = tpot * switch[:, None]
         cost = cost * switch
 

@@ -597,3 +597,26 @@ def test_a_tier_missing_its_target_probes_the_kind_of_step_it_has_no_recent_evid
     assert decision.draft_lengths["economy"] == 0 and "probing" not in decision.reason
     decision = ticks(policy, 46, 20, 0, 0.6)  # 30 windows after the last speculative one: probe again
     assert decision.draft_lengths["economy"] == 4 and "probing speculative steps" in decision.reason
+
+
+def test_a_probe_charges_the_catch_up_to_the_rows_running_not_to_every_request_after() -> None:
+    """The model with the draft's prefill: a switch to k > 0 makes the draft catch up on six running rows'
+    backlog (20 ms + 1 ms × 6 × 220 tokens, charged over their 40-token outputs: +33 ms per token). Judged
+    as a charge on every request, plain decoding stays ahead even while probing (``probe_after`` 1: the
+    running rows and one window's arrivals share it); spread over the requests of the 30 windows the probe
+    buys evidence for, T = 4, k = 4 is tried."""
+    slo = make_slo(economy={"tpot_ms": 5.0})
+
+    def chosen(probe_after: int) -> tuple[float, int]:
+        policy = ModelPredictivePolicy(slo, _split_prefill_model(), prompt_tokens=200.0, probe_after=probe_after)
+        plain_ms = policy.model.cost.plain_fixed_ms + 6 * policy.model.cost.plain_per_seq_ms
+        for tick in range(1, 16):
+            policy.current = {name: (0.0, 0) for name in policy.tier_names}
+            decision = policy.decide(load(6, arrivals=1, time_s=float(tick), mean_iteration_ms=0.6 * plain_ms,
+                                          mean_batch_size=6.0, output_tokens=400, completions=10,
+                                          tiers=window("economy", k=0, slo_met=0)))
+        assert "probing speculative steps" in decision.reason
+        return decision.thresholds["economy"], decision.draft_lengths["economy"]
+
+    assert chosen(1) == (0.0, 0)
+    assert chosen(30) == (4.0, 4)

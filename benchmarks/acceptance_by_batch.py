@@ -14,7 +14,8 @@ halves (JSON to stdout and ``--out``):
 
 With ``--batch-profile-out PATH`` it fits an odds multiplier per measured (batch size, T), relative to
 the batch the shipped profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
-``batch_fit`` in the JSON) and writes the shipped profile with that ``batch_acceptance`` section — and, where the run recorded
+``batch_fit`` in the JSON) and writes the profile already at PATH (a fresh calibration; the shipped
+profile where PATH does not exist yet) with that ``batch_acceptance`` section — and, where the run recorded
 accepted / drafted per request, the per-request spread κ fitted within each (batch, T)
 (``sim.profile_fit.fit_request_acceptance``) as its ``request_acceptance``. ``--refit JSON`` does the fit from an
 earlier run's measurements, without the models.
@@ -78,7 +79,8 @@ def main() -> int:
     ap.add_argument("--profile-batch", type=int, default=None)
     ap.add_argument("--profile-out", default=None)
     ap.add_argument("--batch-profile-out", default=None,
-                    help="write the shipped profile with batch_acceptance fitted to these measurements")
+                    help="write the profile at this path (the shipped one where none is there yet) with batch_acceptance "
+                    "fitted to these measurements")
     ap.add_argument("--sections", type=_sections, default=_SECTIONS,
                     help="which fitted sections --batch-profile-out writes (comma-separated; default both): "
                     "request_acceptance alone for a batch-invariant draft, whose batch multipliers are ~1 "
@@ -115,7 +117,9 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
     from sim.profile import DEFAULT_PROFILE_PATH, Profile
     from sim.profile_fit import BatchAcceptanceSample, fit_batch_acceptance, fit_request_acceptance
 
-    shipped = Profile.load(DEFAULT_PROFILE_PATH)
+    # Fit into the profile already at ``path`` (a fresh `fsd calibrate` output): basing on the shipped
+    # one would overwrite that calibration's latency and acceptance with another machine's.
+    shipped = Profile.load(path if Path(path).is_file() else DEFAULT_PROFILE_PATH)
     reference = int((shipped.calibration or {}).get("settings", {}).get("acceptance_batch_size", 8))
     samples = [BatchAcceptanceSample(batch=int(a["batch"]), threshold=float(a["threshold"]),
                                      tokens_per_row_iteration=float(a["tokens_per_row_iteration"]),

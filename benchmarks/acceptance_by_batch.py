@@ -13,7 +13,7 @@ halves (JSON to stdout and ``--out``):
   ``--thresholds`` T: tokens per row-iteration and the acceptance rate.
 
 With ``--batch-profile-out PATH`` it fits an odds multiplier per measured (batch size, T), relative to
-the batch the shipped profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
+the batch that profile's acceptance was calibrated at (``sim.profile_fit.fit_batch_acceptance``;
 ``batch_fit`` in the JSON) and writes the profile already at PATH (a fresh calibration; the shipped
 profile where PATH does not exist yet) with that ``batch_acceptance`` section — and, where the run recorded
 accepted / drafted per request, the per-request spread κ fitted within each (batch, T)
@@ -119,12 +119,12 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
 
     # Fit into the profile already at ``path`` (a fresh `fsd calibrate` output): basing on the shipped
     # one would overwrite that calibration's latency and acceptance with another machine's.
-    shipped = Profile.load(path if Path(path).is_file() else DEFAULT_PROFILE_PATH)
-    reference = int((shipped.calibration or {}).get("settings", {}).get("acceptance_batch_size", 8))
+    base = Profile.load(path if Path(path).is_file() else DEFAULT_PROFILE_PATH)
+    reference = int((base.calibration or {}).get("settings", {}).get("acceptance_batch_size", 8))
     samples = [BatchAcceptanceSample(batch=int(a["batch"]), threshold=float(a["threshold"]),
                                      tokens_per_row_iteration=float(a["tokens_per_row_iteration"]),
                                      row_iterations=int(a["row_iterations"])) for a in acceptance]
-    fitted = fit_batch_acceptance(shipped, samples, reference, source=command)
+    fitted = fit_batch_acceptance(base, samples, reference, source=command)
     update: dict[str, Any] = {"batch_acceptance": fitted}
     out: dict[str, Any] = {"reference_batch": reference, "thresholds": fitted.thresholds, "odds_scale": fitted.odds_scale}
     # Per-request spread (κ), each (batch, T) about its own mean, where the run recorded requests.
@@ -138,7 +138,7 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
         out["request_concentration"] = None if variation is None else variation.concentration
         if variation is not None:
             update["request_acceptance"] = variation
-    shipped.model_copy(update={key: value for key, value in update.items() if key in sections}).save(path)
+    base.model_copy(update={key: value for key, value in update.items() if key in sections}).save(path)
     return {**out, "profile_out": path, "sections_written": [key for key in update if key in sections]}
 
 

@@ -53,6 +53,10 @@ class ModelConfig(_Section):
     dtype: str | None = Field(None, description="target compute dtype (fp32, bf16…; None = the pair's)")
     draft_dtype: str | None = Field(None, description="draft dtype: a float dtype, 'int8' or 'int8-row' (None = the pair's)")
     seed: int = Field(0, description="seed of the tiny test pair and of the engine's request seeds")
+    linear_layout: Literal["auto", "off", "transposed"] | None = Field(
+        None, description="target's small-batch weight layout (decoder.linear_layout): 'auto' times it at load, "
+        "'off', 'transposed' (None = the pair's: auto for real pairs)"
+    )
     num_draft_tokens: int = Field(4, ge=1, le=16, description="draft length k")
     div: str = Field("kl", min_length=1, description="divergence D compared with T (decoder's names)")
     rule: str = Field("reducible", min_length=1, description="FSD acceptance rule (decoder's names)")

@@ -95,7 +95,8 @@ def load_model_pair(cfg: FSDConfig) -> Any:
     """The configured pair, from the registry (decoder/pairs.py); ``seed`` seeds a random test pair."""
     from decoder.pairs import load_pair
 
-    return load_pair(cfg.model.pair, dtype=cfg.model.dtype, draft_dtype=cfg.model.draft_dtype, seed=cfg.model.seed)
+    return load_pair(cfg.model.pair, dtype=cfg.model.dtype, draft_dtype=cfg.model.draft_dtype, seed=cfg.model.seed,
+                     linear_layout=cfg.model.linear_layout)
 
 
 def _actor_name() -> str | None:

@@ -19,6 +19,7 @@ pairs) and ``decoder.model_fetch`` (getting weights on disk); neither imports it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder import model_fetch
+from decoder.linear_layout import LAYOUTS, tune_linear_layout
 from decoder.model_fetch import ChunkedGGUF, PairStatus, Progress
 from decoder.models import (
     INT8_DYNAMIC,
@@ -81,6 +83,8 @@ class PairSpec:
     #: Torch intra-op threads worth setting when this pair runs alone in a process (None: torch's default);
     #: a tiny model only loses time to OpenMP thread hand-offs.
     torch_threads: int | None = None
+    #: The target's small-batch weight layout (decoder.linear_layout): "auto" times it at load.
+    linear_layout: str = "auto"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,6 +210,7 @@ register(PairSpec(
     fetch=_fetch_nothing,
     test_pair=True,
     torch_threads=1,
+    linear_layout="off",  # millisecond steps: timing them at load would only add noise to tests
 ))
 
 #: Pairs with real weights (downloaded or packaged), the test pair excluded.
@@ -232,25 +237,33 @@ def load_pair(
     draft_dtype: DTypeLike = None,
     seed: int = 0,
     max_context: int | None = None,
+    linear_layout: str | None = None,
 ) -> ModelPair:
     """Load a draft/target pair by registered name, ``(target, draft)`` paths/ids, or ``"target,draft"``.
 
     ``dtype`` is the target's compute dtype (default: the pair's, fp32 for custom pairs);
     ``draft_dtype`` the draft's: a float dtype or ``"int8"`` for dynamic int8 quantization (default:
     the pair's, the target's dtype for custom pairs). ``seed`` and ``max_context`` apply to pairs built
-    from random weights (the test pair).
+    from random weights (the test pair). ``linear_layout`` (``auto`` / ``off`` / ``transposed``;
+    default: the pair's, ``auto`` for custom pairs) gives the target's float linear layers a transposed
+    weight copy for small batches where it is faster (:mod:`decoder.linear_layout`; timed at load,
+    with the torch threads set then), and says so in the pair's description.
     """
+    if linear_layout is not None and linear_layout not in LAYOUTS:
+        raise ValueError(f"unknown linear_layout {linear_layout!r}; expected one of {', '.join(LAYOUTS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if isinstance(name_or_paths, tuple):
         if len(name_or_paths) != 2:
             raise ValueError(f"expected (target, draft), got {name_or_paths!r}")
-        return load_custom_pair(name_or_paths[0], name_or_paths[1], dtype=dtype, draft_dtype=draft_dtype)
+        pair = load_custom_pair(name_or_paths[0], name_or_paths[1], dtype=dtype, draft_dtype=draft_dtype)
+        return _with_layout(pair, linear_layout or "auto")
     if not isinstance(name_or_paths, str) or not name_or_paths.strip():
         raise ValueError(f"expected a pair name or 'target,draft' paths, got {name_or_paths!r}")
     if "," in name_or_paths:
         target_src, _, draft_src = name_or_paths.partition(",")
-        return load_custom_pair(target_src.strip(), draft_src.strip(), dtype=dtype, draft_dtype=draft_dtype)
+        pair = load_custom_pair(target_src.strip(), draft_src.strip(), dtype=dtype, draft_dtype=draft_dtype)
+        return _with_layout(pair, linear_layout or "auto")
     spec = PAIRS.get(name_or_paths)
     if spec is None:
         raise ValueError(
@@ -259,8 +272,18 @@ def load_pair(
         )
     started = time.perf_counter()
     pair = spec.load(spec, LoadOptions(dtype=dtype, draft_dtype=draft_dtype, seed=seed, max_context=max_context))
+    pair = _with_layout(pair, linear_layout or spec.linear_layout)
     logger.info("loaded pair %s in %.1f s", spec.name, time.perf_counter() - started)
     return pair
+
+
+def _with_layout(pair: ModelPair, layout: str) -> ModelPair:
+    """``pair`` with its target's small-batch layout applied (in place), recorded in its description."""
+    report = tune_linear_layout(pair.target, layout)
+    if report.layers == 0:
+        return pair
+    logger.info("%s: %s", pair.name, report.describe())
+    return dataclasses.replace(pair, description=f"{pair.description}; {report.describe()}")
 
 
 def pair_status(name: str) -> PairStatus:

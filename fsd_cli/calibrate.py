@@ -61,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--dtype", help="target dtype override (fp32, bf16, ...)")
     parser.add_argument("--draft-dtype", help="draft dtype override (a float dtype, int8 or int8-row)")
     parser.add_argument(
+        "--linear-layout", choices=("auto", "off", "transposed"),
+        help="the target's small-batch weight layout (default: the pair's, auto: timed at load; a serving "
+        "replica's model.linear_layout should match)",
+    )
+    parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         help="'cpu' scales step times by the process CPU share: an idle-machine estimate on a loaded machine "
@@ -172,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     log(f"loading pair {args.pair} ...")
     from decoder.pairs import load_pair
 
-    pair = load_pair(args.pair, dtype=args.dtype, draft_dtype=args.draft_dtype)
+    pair = load_pair(args.pair, dtype=args.dtype, draft_dtype=args.draft_dtype, linear_layout=args.linear_layout)
+    log(f"pair: {pair.description}")
     if sys.argv[1:2] == ["calibrate"]:
         command = shlex.join(["fsd", *sys.argv[1:]])
     else:  # called in-process (tests, scripts): say so, with the parsed flags

@@ -418,3 +418,26 @@ def test_qwen_pair_loads_with_matching_tokenizers_and_writes_code(monkeypatch: p
         out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
     assert torch.isfinite(draft_logits).all()
     assert "def square" in pair.tokenizer.decode(out[0, len(prompt) :])
+
+
+@pytest.mark.slow
+def test_smollm2_small_batch_layout_gives_the_same_logits(smollm2_loads: tuple[ModelPair, ModelPair]) -> None:
+    from decoder.linear_layout import SmallBatchLinear
+
+    pair, _ = smollm2_loads
+    layers = [m for m in pair.target.modules() if isinstance(m, SmallBatchLinear)]
+    if not layers:
+        pytest.skip(f"the layout did not pay on this machine at load: {pair.description}")
+    assert f"{len(layers)} layers transposed" in pair.description
+    cut = layers[0].max_rows
+    ids = torch.tensor([pair.encode_prompt("Write a haiku about the sea.")[:cut]]).T  # [cut rows, 1 position]
+    with torch.inference_mode():
+        transposed = pair.target(ids).logits
+        for m in layers:
+            m.max_rows = 0
+        try:
+            plain = pair.target(ids).logits
+        finally:
+            for m in layers:
+                m.max_rows = cut
+    torch.testing.assert_close(transposed, plain, rtol=1e-4, atol=1e-3)

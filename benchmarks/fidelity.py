@@ -578,6 +578,10 @@ def mean_latency(paths: str) -> Any:
             if not all(v is None for v in values):
                 raise ValueError(f"--latency-from: {key} is measured in some profiles and not in others")
             out[key] = None
+        elif isinstance(values[0], list):  # steps per batch: the mean at each batch (the same rows in each)
+            if len({len(v) for v in values}) > 1:
+                raise ValueError(f"--latency-from: {key} covers different batch sizes: {[len(v) for v in values]}")
+            out[key] = [float(x) for x in np.mean(values, axis=0)]
         else:
             out[key] = float(np.mean(values))
     return LatencyModel.model_validate(out)

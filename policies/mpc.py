@@ -141,11 +141,49 @@ class StepCost:
     #: 0 and 0: not measured (no catch-up charged).
     draft_prefill_fixed_ms: float = 0.0
     draft_prefill_ms_per_token: float = 0.0
+    #: Measured plain steps at 1, 2, … rows (``()``: the line above): the plain step is then piecewise
+    #: linear through them (:func:`plain_step_line`), ``plain_per_seq_ms`` per row beyond the last.
+    plain_ms_by_batch: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+            for v in value if isinstance(value, tuple) else (value,):
+                if not (math.isfinite(v) and v >= 0):
+                    raise ValueError(f"{name} must be finite and >= 0, got {v}")
+
+    def plain_line(self, batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per row) of the plain step's line at ``batch`` (see :func:`plain_step_line`)."""
+        return plain_step_line(self.plain_ms_by_batch, self.plain_fixed_ms, self.plain_per_seq_ms, batch)
+
+
+def plain_step_line(by_batch: Sequence[float], fixed_ms: float, per_row_ms: float,
+                    batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, per row) ms of the segment of the plain step that holds ``batch``: step = fixed + per_row · B.
+
+    ``by_batch[i]`` is the measured step at i + 1 rows; between two measured batches the step is the
+    straight line through them (below one row, the first segment's); from the last one on it grows by
+    ``per_row_ms`` per row. Empty ``by_batch``: the line ``fixed_ms + per_row_ms · B`` everywhere. Why a
+    table: on the default pair the plain step is concave in the batch (session 16: 51.6 / 73.3 / 91.0 /
+    99.0 / 113.4 ms at 1 / 2 / 3 / 4 / 8 rows), so the least-squares line is 26 % high at one row and
+    11 % low at three, and a correction learned at one row then under-predicts three by ~30 %.
+    """
+    b = np.asarray(batch, dtype=float)
+    n = len(by_batch)
+    if n == 0:
+        return np.full(b.shape, fixed_ms), np.full(b.shape, per_row_ms)
+    table = np.asarray(by_batch, dtype=float)
+    beyond = b >= n
+    if n == 1:
+        lo = np.zeros(b.shape, dtype=np.int64)
+        slope = np.zeros(b.shape)
+    else:
+        lo = np.clip(np.floor(b).astype(np.int64), 1, n - 1)  # segment [lo, lo + 1] in rows
+        slope = table[lo] - table[lo - 1]
+        lo = lo - 1
+    slope = np.where(beyond, per_row_ms, slope)
+    anchor_rows = np.where(beyond, float(n), lo + 1.0)
+    anchor_ms = np.where(beyond, table[n - 1], table[lo])
+    return anchor_ms - slope * anchor_rows, slope
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +243,12 @@ class OperatingModel:
             else:
                 d["tokens_per_step_by_batch"] = list(p.tokens_per_step_by_batch)
             points.append(d)
-        return {"source": self.source, "cost": asdict(self.cost), "points": points}
+        cost = asdict(self.cost)
+        if self.cost.plain_ms_by_batch:
+            cost["plain_ms_by_batch"] = list(self.cost.plain_ms_by_batch)
+        else:
+            del cost["plain_ms_by_batch"]  # models without a measured plain-step table stay as they were
+        return {"source": self.source, "cost": cost, "points": points}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OperatingModel:
@@ -213,7 +256,8 @@ class OperatingModel:
             return cls(
                 points=tuple(OperatingPoint(**{**p, "tokens_per_step_by_batch": tuple(p.get("tokens_per_step_by_batch", ()))})
                              for p in data["points"]),
-                cost=StepCost(**data["cost"]),
+                cost=StepCost(**{**data["cost"],
+                                 "plain_ms_by_batch": tuple(data["cost"].get("plain_ms_by_batch", ()))}),
                 source=str(data.get("source", "")),
             )
         except (KeyError, TypeError) as exc:
@@ -550,8 +594,10 @@ class ModelPredictivePolicy:
         accepted = (1.0 - w) * by_batch[lo, rows] + w * by_batch[hi, rows]
         return np.asarray(np.minimum(1.0 + accepted * self.tokens_correction, ks_plus_1), dtype=float)
 
-    def _step_ms(self, ks: np.ndarray, shares: np.ndarray, batch: float | np.ndarray) -> np.ndarray:
-        """Modelled step ms for candidate rows ``ks`` [N, n_tiers] with tier shares [n_tiers]."""
+    def _step_ms(self, ks: np.ndarray, shares: np.ndarray, batch: float | np.ndarray,
+                 near: float | np.ndarray | None = None) -> np.ndarray:
+        """Modelled step ms for candidate rows ``ks`` [N, n_tiers] with tier shares [n_tiers]; a plain
+        candidate's step is the line of its plain-step segment at ``near`` rows (None: at ``batch``)."""
         c = self.model.cost
         active = shares > 0
         k_max = np.where(active, ks, 0).max(axis=1)
@@ -559,8 +605,9 @@ class ModelPredictivePolicy:
         mixed_fixed = k_max * c.draft_fixed_ms + c.verify_fixed_ms
         per_seq = (per_row * shares).sum(axis=1)
         plain = k_max == 0
-        fixed = np.where(plain, c.plain_fixed_ms, mixed_fixed)
-        per_seq = np.where(plain, c.plain_per_seq_ms, per_seq)
+        plain_fixed, plain_per_row = c.plain_line(np.broadcast_to(batch if near is None else near, plain.shape))
+        fixed = np.where(plain, plain_fixed, mixed_fixed)
+        per_seq = np.where(plain, plain_per_row, per_seq)
         return np.asarray(fixed + per_seq * batch, dtype=float)
 
     # ------------------------------------------------------------------ online estimates
@@ -615,8 +662,9 @@ class ModelPredictivePolicy:
         if (self.current and steady and all(steady.values()) and math.isfinite(telemetry.mean_iteration_ms)
                 and math.isfinite(telemetry.mean_batch_size)):
             shares = self.shares if not np.isnan(self.shares).any() else np.full(len(self.tier_names), 1.0)
-            fixed_ms = float(self._step_ms(ks_now, shares, 0.0)[0])
-            per_row_ms = float(self._step_ms(ks_now, shares, 1.0)[0]) - fixed_ms
+            near = telemetry.mean_batch_size  # the plain step's segment the window ran in
+            fixed_ms = float(self._step_ms(ks_now, shares, 0.0, near)[0])
+            per_row_ms = float(self._step_ms(ks_now, shares, 1.0, near)[0]) - fixed_ms
             plain = int(np.where(shares > 0, ks_now[0], 0).max()) == 0
             fit = self.plain_step if plain else self.draft_step
             fit.observe(telemetry.mean_iteration_ms, fixed_ms, per_row_ms, telemetry.mean_batch_size)
@@ -878,14 +926,24 @@ class ModelPredictivePolicy:
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
         probe = self._probing(active)
         fixed_correction, per_row_correction = self._step_correction(u.plain, probe=probe)
-        f = u.fixed * fixed_correction
-        p = per_seq * per_row_correction
+        plain_table = bool(self.model.cost.plain_ms_by_batch)
+
+        def corrected_line(near: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """(f, p) per candidate, a plain one's from its plain-step segment at ``near`` rows."""
+            fixed, per_row = u.fixed, per_seq
+            if plain_table:
+                plain_fixed, plain_per_row = self.model.cost.plain_line(near)
+                fixed, per_row = np.where(u.plain, plain_fixed, fixed), np.where(u.plain, plain_per_row, per_row)
+            return fixed * fixed_correction, per_row * per_row_correction
+
+        f, p = corrected_line(np.full(n, running_now))
         by_batch = u.tokens_minus_1_by_batch
         if by_batch is not None:  # acceptance depends on the batch: start from the batch running now
             tokens = self._tokens_at(by_batch, np.full(n, running_now), u.ks_plus_1)
         # Little: B = λ·L·TPOT = λ·L·(f + p·B) / (1000·n̄)  ⇒  B = x·f / (1 − x·p), x = λL / (1000 n̄).
-        # With batch-dependent tokens n̄(B), two fixed-point passes (n̄ moves little with B).
-        for _ in range(1 if by_batch is None else 2):
+        # With batch-dependent tokens n̄(B), or a plain step piecewise in B, fixed-point passes: each
+        # re-reads n̄ and the plain segment at the batch the last one planned.
+        for _ in range(1 if by_batch is None and not plain_table else 3 if plain_table else 2):
             mean_tokens = _row_sums(tokens * shares)
             x = lam * length / (1000.0 * mean_tokens)
             denom = 1.0 - x * p
@@ -898,6 +956,8 @@ class ModelPredictivePolicy:
             batch = np.clip(np.maximum(planned, running_now), 1.0, float(self.max_batch))
             if by_batch is not None:
                 tokens = self._tokens_at(by_batch, batch, u.ks_plus_1)
+            if plain_table:
+                f, p = corrected_line(batch)
         if by_batch is not None:
             mean_tokens = _row_sums(tokens * shares)
         step = f + p * batch
@@ -1028,17 +1088,20 @@ class ModelPredictivePolicy:
         planned for the load now (a batch-dependent model is not re-read at each count)."""
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
         fixed_correction, per_row_correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1) == 0)
-        fixed = self._step_ms(ks, shares, 0.0)
-        f = fixed * fixed_correction
-        p = (self._step_ms(ks, shares, 1.0) - fixed) * per_row_correction
         mean_tokens = (tokens * shares).sum(axis=1)
         x = lam * length / (1000.0 * mean_tokens)
-        denom = 1.0 - x * p
-        with np.errstate(divide="ignore", invalid="ignore"):
-            little = np.where(denom > 0, x * f / denom, np.inf)
+        near = np.ones(ks.shape[0])  # the plain step's segment: at one row, then at the batch planned
+        for _ in range(2 if self.model.cost.plain_ms_by_batch else 1):
+            fixed = self._step_ms(ks, shares, 0.0, near)
+            f = fixed * fixed_correction
+            p = (self._step_ms(ks, shares, 1.0, near) - fixed) * per_row_correction
+            denom = 1.0 - x * p
+            with np.errstate(divide="ignore", invalid="ignore"):
+                little = np.where(denom > 0, x * f / denom, np.inf)
+            planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
+            near = np.clip(planned, 1.0, float(self.max_batch))
         ok = little <= self.max_batch
-        planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
-        step = f + p * np.clip(planned, 1.0, float(self.max_batch))
+        step = f + p * near
         stall = self._stall(lam, act_idx, ks, shares)
         for i in act_idx:
             name = self.tier_names[i]

@@ -139,6 +139,11 @@ class LatencyModel(BaseModel):
     plain_step_b_ms: float | None = Field(
         None, ge=0, description="k = 0 step, per sequence; None: verify_b_ms (derived)"
     )
+    plain_step_ms_by_batch: list[float] | None = Field(
+        None, description="k = 0 step measured at 1, 2, … rows (interpolated between measured batch sizes): "
+        "the plain step is piecewise linear through them and grows by plain_step_b_ms per row beyond the "
+        "last (policies.mpc.plain_step_line); None: the line plain_step_a_ms + plain_step_b_ms·B"
+    )
     iteration_time_dist: Literal["fixed", "exponential"] = Field(
         "fixed",
         description="'fixed': every iteration takes the model's time; 'exponential': the model's time is "
@@ -151,13 +156,41 @@ class LatencyModel(BaseModel):
         b = self.verify_b_ms if self.plain_step_b_ms is None else self.plain_step_b_ms
         return a, b
 
-    def iteration_ms(self, batch: np.ndarray | int, k: int) -> np.ndarray:
+    @field_validator("plain_step_ms_by_batch")
+    @classmethod
+    def _positive_steps(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or not all(math.isfinite(x) and x > 0 for x in v)):
+            raise ValueError(f"plain_step_ms_by_batch must be a non-empty list of finite steps > 0, got {v}")
+        return v
+
+    def iteration_ms(self, batch: np.ndarray | int | float, k: int) -> np.ndarray:
         """Mean time of one draft+verify iteration (a plain step at k = 0) for batch sizes ``batch``."""
-        fixed, per_seq = self.iteration_coeffs(k)
-        return fixed + per_seq * np.asarray(batch, dtype=float)
+        b = np.asarray(batch, dtype=float)
+        if k == 0 and self.plain_step_ms_by_batch:
+            fixed, per_row = self.plain_line(b)
+            return np.asarray(fixed + per_row * b, dtype=float)
+        fixed_ms, per_seq = self.iteration_coeffs(k)
+        return np.asarray(fixed_ms + per_seq * b, dtype=float)
+
+    def plain_line(self, batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per row) of the plain step's segment at ``batch`` rows (one line without a table)."""
+        from policies.mpc import plain_step_line
+
+        a, b = self.plain_coeffs()
+        return plain_step_line(self.plain_step_ms_by_batch or (), a, b, batch)
+
+    def plain_table(self, max_batch: int) -> np.ndarray | None:
+        """[max_batch + 1] plain step ms at 0 .. max_batch rows (None without measured steps per batch)."""
+        if not self.plain_step_ms_by_batch:
+            return None
+        rows = np.arange(max_batch + 1, dtype=float)
+        table = self.iteration_ms(rows, 0)
+        table[0] = 0.0
+        return np.asarray(table, dtype=float)
 
     def iteration_coeffs(self, k: int) -> tuple[float, float]:
-        """``(fixed, per_seq)`` with iteration_ms(B, k) = fixed + per_seq · B (every row at k)."""
+        """``(fixed, per_seq)`` with iteration_ms(B, k) = fixed + per_seq · B (every row at k; at k = 0
+        with measured steps per batch, the line of the first segment: :meth:`plain_line` has the rest)."""
         if k == 0:
             return self.plain_coeffs()
         return (
@@ -626,6 +659,7 @@ def to_operating_model(profile: Profile, div: str | None = None, source: str = "
         verify_per_seq_ms=lat.verify_b_ms, verify_per_token_ms=lat.verify_c_ms, plain_fixed_ms=plain_a,
         plain_per_seq_ms=plain_b, prefill_fixed_ms=lat.prefill_fixed_ms, prefill_ms_per_token=lat.prefill_ms_per_token,
         draft_prefill_fixed_ms=lat.draft_prefill_fixed_ms, draft_prefill_ms_per_token=lat.draft_prefill_ms_per_token,
+        plain_ms_by_batch=tuple(lat.plain_step_ms_by_batch or ()),
     )
     return OperatingModel(points=tuple(points), cost=cost,
                           source=source or f"{profile.provenance.pair} (div {div}; k = 0 {profile.plain_decoding_source})")

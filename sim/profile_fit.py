@@ -16,7 +16,9 @@ stays torch-free. What is fitted and why:
   draft_prefill_per_token · prompt tokens`` for joins at k > 0, when joins at k = 0 were timed too); fit
   quality kept as ``FitQuality``.
   Decode points at k = 0 (plain target decoding, no draft forward) are fitted on their own,
-  step ``= plain_step_a + plain_step_b · B``; without them the profile derives k = 0 from the verify fit.
+  step ``= plain_step_a + plain_step_b · B``, and kept as measured per batch (``plain_step_ms_by_batch``,
+  straight lines between measured batch sizes), which the simulator and the policy use; without them the
+  profile derives k = 0 from the verify fit.
 - *Per-request acceptance variation* (:func:`fit_request_acceptance`, not part of :func:`fit_profile`:
   a calibration pools its counts over prompts and records none per request): the concentration κ of
   :class:`~sim.profile.RequestAcceptance` from accepted / drafted counts per request, by matching the
@@ -256,12 +258,20 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
         prefill_design = np.stack([np.ones_like(tok), tok], axis=1)
         prefill_fixed, prefill_per_token = _nnls(prefill_design, pre)
     plain_a = plain_b = None
+    plain_by_batch: list[float] | None = None
     plain_error = None
     if plain:
         plain_b_sizes = np.array([s.batch for s in plain], dtype=float)
         plain_step = np.array([s.draft_ms + s.verify_ms + s.overhead_ms for s in plain])
         plain_design = np.stack([np.ones_like(plain_b_sizes), plain_b_sizes], axis=1)
         plain_a, plain_b = (float(c) for c in _nnls(plain_design, plain_step))
+        # The measured steps themselves, by batch (mean over repeats, straight lines between measured
+        # batch sizes): the plain step is not linear in the batch (concave on the default pair), and
+        # the simulator and the policy read it from this table; the line stays for what lies beyond.
+        sizes = np.unique(plain_b_sizes)
+        means = np.array([plain_step[plain_b_sizes == size].mean() for size in sizes])
+        if sizes[0] == 1:
+            plain_by_batch = [float(v) for v in np.interp(np.arange(1, int(sizes[-1]) + 1), sizes, means)]
         plain_error = _max_rel_error(plain_design @ np.array([plain_a, plain_b]), plain_step)
 
     model = LatencyModel(
@@ -276,6 +286,7 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
         draft_prefill_fixed_ms=float(draft_prefill_fixed),
         plain_step_a_ms=plain_a,
         plain_step_b_ms=plain_b,
+        plain_step_ms_by_batch=plain_by_batch,
     )
     draft_pred = draft_design @ np.array([draft_a, draft_b])
     verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])

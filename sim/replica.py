@@ -19,7 +19,8 @@ Iteration model (per replica, batch of B sequences, draft length k):
   draft/verify iteration over every row), the prefill and the decode iteration after it are one
   step: a joiner's first tokens come at the end of that decode iteration (TTFT), and nothing (an
   arrival, a new threshold) cuts between the two.
-- A decode iteration takes ``iteration_ms(B, k)`` when every row drafts the same k, else the mixed
+- A decode iteration takes ``iteration_ms(B, k)`` when every row drafts the same k (at k = 0 the
+  profile's plain step per batch when it measured one: ``DecodeSettings.plain_ms_by_rows``), else the mixed
   model (:meth:`sim.profile.LatencyModel.mixed_coeffs`: ``k_max`` draft steps over the drafting rows,
   verify as wide as each row's k) over the rows still running; each sequence emits accepted + 1
   tokens, accepted drawn from the profile's per-position acceptance at its tier's current (T, k) (one
@@ -79,6 +80,9 @@ class DecodeSettings:
     batch_odds: np.ndarray | None
     tier_weights: np.ndarray  # [n_tiers, F] per-tier row of the window-feature product
     coeffs_by_tier: list[tuple[float, float]]  # step ms = fixed + per_seq · B with every row at the tier's k
+    # Plain steps (every row at k = 0) by rows in the batch, [max_batch + 1] (LatencyModel.plain_table);
+    # None: coeffs_by_tier's line.
+    plain_ms_by_rows: np.ndarray | None = None
     # Distortion as events (None: every token carries its tier's mean): a token carries
     # event_size_by_tier[τ] with probability event_p_by_tier[τ], so short windows see the real noise.
     event_p_by_tier: np.ndarray | None = None  # [n_tiers]
@@ -300,7 +304,10 @@ class Replica:
             alive_before = np.empty((n_iter, b))
             alive_before[0] = 1.0
             alive_before[1:] = alive[:-1]
-        if one_tier or rows.uniform_k:
+        if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
+            dt_ms = settings.plain_ms_by_rows.take(active_before)
+            drafted: np.ndarray = np.zeros(n_iter)
+        elif one_tier or rows.uniform_k:
             fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
             dt_ms = active_before * per_seq_ms
             dt_ms += fixed_ms

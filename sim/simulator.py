@@ -133,6 +133,7 @@ class Simulator:
             batch_odds=None,
             tier_weights=np.zeros((n_t, WindowBins.BASE + 3 * n_t)),
             coeffs_by_tier=[],
+            plain_ms_by_rows=profile.latency.plain_table(config.max_batch),
         )
         self._refresh_settings()
         self.autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None

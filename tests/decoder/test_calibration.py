@@ -151,6 +151,20 @@ def test_latency_fit_measures_plain_decoding_where_k_0_was_timed() -> None:
     # k = 0 points stay out of the speculative fit: it is the same as without them.
     assert (m.verify_a_ms, m.verify_b_ms, m.verify_c_ms) == pytest.approx((40.0, 6.0, 2.5), rel=1e-6)
     assert float(m.iteration_ms(4, 0)) == pytest.approx(plain_a + plain_b * 4)
+    assert m.plain_step_ms_by_batch == pytest.approx([plain_a + plain_b * b for b in range(1, 9)])
+
+
+def test_latency_fit_keeps_concave_plain_steps_as_measured() -> None:
+    """Plain steps measured at 1, 2, 3, 4, 8 rows (the default pair's shape, session 16): the profile keeps
+    them per batch (lines between measured sizes), so the step at 3 rows is the measured one, not the line's."""
+    measured = {1: 51.6, 2: 73.3, 3: 91.0, 4: 99.0, 8: 113.4}
+    plain = [LatencySample(phase="decode", k=0, batch=b, tokens=100.0, n=3, verify_ms=ms, overhead_ms=0.0)
+             for b, ms in measured.items()]
+    m = fit_latency(_latency_points(9.0, 1.5, 40.0, 6.0, 2.5, 3.0, 1.6) + plain).model
+    assert m.plain_step_ms_by_batch == pytest.approx([51.6, 73.3, 91.0, 99.0, 102.6, 106.2, 109.8, 113.4])
+    assert [float(m.iteration_ms(b, 0)) for b in measured] == pytest.approx(list(measured.values()))
+    line = m.plain_step_a_ms + 3 * m.plain_step_b_ms
+    assert abs(line - 91.0) > 5.0  # the least-squares line is off there: what the table is for
 
 
 def test_latency_fit_separates_the_drafts_prefill_when_joins_at_k_0_were_timed() -> None:

@@ -82,6 +82,30 @@ def test_k0_tier_emits_one_token_per_step_at_the_plain_step_time_without_distort
     assert res.summary["mean_distortion"] == 0.0
 
 
+def test_plain_steps_run_at_the_measured_step_per_batch_when_the_profile_has_one() -> None:
+    """A profile with plain steps measured per batch (concave): windows of plain decoding at 1 and 3 rows
+    step at the table's times, not the line's (which would say 23 and 25 ms)."""
+    base = handmade_profile()
+    table = [10.0, 16.0, 19.0, 20.0]
+    profile = Profile.model_validate({**base.model_dump(), "latency": {
+        **base.latency.model_dump(), "plain_step_a_ms": 22.0, "plain_step_b_ms": 1.0, "plain_step_ms_by_batch": table}})
+    assert profile.latency.plain_table(6) == pytest.approx([0.0, 10.0, 16.0, 19.0, 20.0, 21.0, 22.0])
+    three = Requests(arrival_s=np.array([0.1, 0.1, 0.1, 30.0]), prompt_tokens=np.array([10, 10, 10, 10]),
+                     output_tokens=np.array([1000, 1000, 1000, 300]), tier=np.zeros(4, dtype=np.int16),
+                     tier_names=("standard",))
+    slo = SLOSpec(tiers={"standard": TierSLO(tpot_ms=1e9, max_mean_distortion=1.0, max_threshold=1.0)},
+                  default_tier="standard")
+    policy = Recorder(StaticPolicy(slo, 0.0, draft_lengths=0))
+    run_sim(three, policy, slo=slo, profile=profile, replicas=1, max_batch=8, seed=0, control_interval_s=1.0)
+    by_batch = {round(t.mean_batch_size): t.mean_iteration_ms for t in policy.windows
+                if t.mean_batch_size in (1.0, 3.0) and t.tiers["standard"].completions == 0
+                and t.prefill_ms == 0.0}
+    assert by_batch[3] == pytest.approx(19.0) and by_batch[1] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="plain_step_ms_by_batch"):
+        Profile.model_validate({**base.model_dump(), "latency": {**base.latency.model_dump(),
+                                                                 "plain_step_ms_by_batch": [10.0, 0.0]}})
+
+
 def test_mixed_batch_steps_at_the_mixed_model_time_and_each_tier_keeps_its_k() -> None:
     profile = handmade_profile()
     # One request per tier, arriving together, long outputs: both decode side by side.

@@ -131,6 +131,7 @@ class ReplicaCounters:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    catch_up_time_s: float = 0.0  # the draft's catch-up inside decode steps (StepStats.catch_up_time_s)
     busy_time_s: float = 0.0
     dropped_records: int = 0
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
@@ -430,6 +431,7 @@ class BatchingLoop:
             c.draft_time_s += float(getattr(stats, "draft_time_s", 0.0))
             c.verify_time_s += float(getattr(stats, "verify_time_s", 0.0))
             c.prefill_time_s += float(getattr(stats, "prefill_time_s", 0.0))
+            c.catch_up_time_s += float(getattr(stats, "catch_up_time_s", 0.0))
             c.prefill_tokens += int(getattr(stats, "prefill_tokens", 0))
             for row in stats.rows:
                 job = self._jobs.get(row.request_id)

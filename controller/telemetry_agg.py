@@ -142,7 +142,7 @@ class TelemetryAggregator:
 
         The fields the model-predictive policy corrects itself with come from the replicas' exact
         counters: per tier ``sequence_iterations`` (decode steps its rows took part in) and
-        ``draft_length``; ``mean_iteration_ms`` = decode-step wall time (step time less prefill) per
+        ``draft_length``; ``mean_iteration_ms`` = decode-step wall time (step time less prefill and draft catch-up) per
         step and ``mean_batch_size`` = rows per step, over the window's steps (NaN without steps)."""
         reports, self._pending = self._pending, []
         totals = ReplicaCounters()
@@ -199,7 +199,8 @@ class TelemetryAggregator:
         default_k = tiers_out[self.slo.default_tier].draft_length if self.slo.default_tier in tiers_out else None
         if default_k is None:
             default_k = max(k_values) if k_values else 4
-        decode_s = totals.busy_time_s - totals.prefill_time_s
+        # Decode steps less the joins' prefills and the draft's catch-ups: one-offs the policy models apart.
+        decode_s = totals.busy_time_s - totals.prefill_time_s - totals.catch_up_time_s
         telemetry = Telemetry(
             time_s=now_s,
             window_s=window_s,

@@ -139,6 +139,10 @@ class StepStats:
     verify_time_s: float
     prefill_time_s: float
     prefill_tokens: int
+    #: Of draft_time_s, what the draft's catch-up cost: its first forward fed a backlog (rows that ran
+    #: at k = 0 and now draft), less one ordinary draft forward. A one-off, like a prefill: step-time
+    #: models and their online corrections leave it out (the SLO policy charges it apart).
+    catch_up_time_s: float = 0.0
 
 
 @dataclass
@@ -251,6 +255,7 @@ class FSDEngine:
         self._requests: dict[str, _Request] = {}
         self._aborted_unreported: list[_Request] = []
         self._draft_fed: list[bool] = []  # per running row: fed to the draft's first forward this step
+        self._catch_up_s = 0.0  # this step's draft catch-up (StepStats.catch_up_time_s)
         self._target_cache = self._new_cache(self.target, 0)
         self._draft_cache = self._new_cache(self.draft, 0)
 
@@ -394,6 +399,7 @@ class FSDEngine:
         draft_uniforms, verify_uniforms = self._draw_uniforms(running, lengths, k)
 
         t0 = time.perf_counter()
+        self._catch_up_s = 0.0
         draft_probs = draft_tokens = draft_div_logits = None
         if k > 0:
             draft_probs, draft_tokens, draft_div_logits = self._draft(running, lengths, k, sampling, draft_uniforms, need_div)
@@ -432,7 +438,7 @@ class FSDEngine:
         finished = [i for i, r in enumerate(running) if r.finished]
         if finished:
             self._drop_rows(finished)
-        return StepStats(rows, len(running), k, t1 - t0, t2 - t1, prefill_time, prefill_tokens)
+        return StepStats(rows, len(running), k, t1 - t0, t2 - t1, prefill_time, prefill_tokens, self._catch_up_s)
 
     # -------------------------------------------------------------- helpers
     def _get(self, request_id: str) -> _Request:
@@ -568,8 +574,11 @@ class FSDEngine:
         # Later forwards feed row b's previous draft while it still has drafts to make.
         still_drafting = torch.tensor([[n > i for i in range(1, k)] for n in lengths], dtype=torch.bool)  # host
         probs_steps, token_steps, logit_steps = [], [], []
+        forward_s: list[float] = []
         for i in range(k):
+            started = time.perf_counter()
             logits = self._forward(self.draft, self._draft_cache, feed, valid, logits_to_keep=1)[:, -1].float()
+            forward_s.append(time.perf_counter() - started)
             probs = sampling_probs(logits, *sampling)
             tokens = greedy_token(probs)
             if not all_greedy:
@@ -582,6 +591,9 @@ class FSDEngine:
                 feed = tokens[:, None]
                 valid = still_drafting[:, i : i + 1]
         self._draft_first_width = width
+        if width > _MAX_PASSIVE_UNSEEN:  # a backlog was fed: what the first forward took beyond the others
+            ordinary = sum(forward_s[1:]) / (k - 1) if k > 1 else 0.0
+            self._catch_up_s = max(forward_s[0] - ordinary, 0.0)
         div_logits = torch.stack(logit_steps, 1) if need_div else None
         return torch.stack(probs_steps, 1), torch.stack(token_steps, 1), div_logits
 

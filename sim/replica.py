@@ -321,6 +321,7 @@ class Replica:
             dt_ms += fixed_ms
             drafted = alive_before @ rows.row_k_float
         lag_grows = None
+        catch_up_ms = 0.0
         if self.latency.models_draft_prefill:
             catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
             dt_ms[off] += catch_up_ms
@@ -329,7 +330,9 @@ class Replica:
         elif n_new:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
         if self.latency.iteration_time_dist == "exponential":
-            dt_ms *= self.rng.exponential(1.0, size=n_iter)
+            draws = self.rng.exponential(1.0, size=n_iter)
+            dt_ms *= draws
+            catch_up_ms *= float(draws[off])
         end_s = np.add.accumulate(dt_ms)
         end_s /= 1000.0
         end_s += now
@@ -349,6 +352,8 @@ class Replica:
         features[:, WindowBins.DRAFTED] = drafted
         features[:, WindowBins.ITERS] = 1.0
         features[:, WindowBins.ITER_MS] = dt_ms
+        if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
+            features[off, WindowBins.ITER_MS] -= catch_up_ms
         if alive_before is None:
             features[:, _B + 2 * n_t + t0] = active_before
         else:

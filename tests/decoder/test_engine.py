@@ -497,6 +497,20 @@ def test_set_threshold_and_draft_length_apply_next_iteration(pair: ModelPair) ->
     assert len(stats.rows[0].new_token_ids) == 6
 
 
+def test_the_drafts_catch_up_is_reported_apart_only_in_the_step_that_feeds_a_backlog(pair: ModelPair) -> None:
+    """A row at k = 0 leaves its prompt and tokens unseen by the draft; the step that makes it draft feeds that
+    backlog first (a one-off, StepStats.catch_up_time_s > 0); ordinary steps, drafting all along, report 0."""
+    engine = FSDEngine(pair, num_draft_tokens=0)
+    engine.add_request("r", PROMPTS[0] * 8, greedy_params(60), draft_length=0)
+    plain = [engine.step() for _ in range(6)]
+    assert all(s.catch_up_time_s == 0.0 and s.draft_length == 0 for s in plain)
+    engine.set_draft_length(4, "r")
+    switching = engine.step()
+    assert switching.draft_length == 4 and 0.0 < switching.catch_up_time_s <= switching.draft_time_s
+    later = [engine.step() for _ in range(3)]
+    assert all(s.catch_up_time_s == 0.0 and s.draft_time_s > 0 for s in later)
+
+
 # -------------------------------------------------------------------------------------- bad input
 
 

@@ -236,3 +236,31 @@ def test_a_row_that_starts_drafting_pays_the_drafts_catch_up_once() -> None:
     ttft3, e2e3 = _one_request_e2e(without, SwitchK(TWO_TIERS, 0.0, 4, 4))
     assert 1000.0 * (ttft2 - ttft3) == pytest.approx(fixed_ms + per_token_ms * 100)
     assert 1000.0 * (e2e2 - e2e3) == pytest.approx(fixed_ms + per_token_ms * 100)
+
+
+class _RecordingSwitch(SwitchK):
+    def __init__(self, slo: SLOSpec, at_s: float, before: int, after: int) -> None:
+        super().__init__(slo, at_s, before, after)
+        self.windows: list[Telemetry] = []
+
+    def decide(self, telemetry: Telemetry) -> Decision:
+        self.windows.append(telemetry)
+        return super().decide(telemetry)
+
+
+def test_the_catch_up_is_not_reported_as_decode_step_time() -> None:
+    """A row switching from k = 0 to k = 4 pays the draft's catch-up once (above); the window that holds it
+    reports the decode steps alone, as the engine does (StepStats.catch_up_time_s), so a policy's step
+    correction does not read the one-off as slower steps."""
+    profile = _with_draft_prefill(500.0, 5.0)  # a catch-up far longer than any step
+    policy = _RecordingSwitch(TWO_TIERS, 3.0, 0, 4)
+    w = Requests(arrival_s=np.array([0.05]), prompt_tokens=np.array([100]), output_tokens=np.array([400]),
+                 tier=np.array([1], dtype=np.int16), tier_names=("lossless", "standard"))
+    run_sim(w, policy, slo=TWO_TIERS, profile=profile, replicas=1, seed=3, control_interval_s=1.0)
+    step_k4 = float(profile.latency.iteration_ms(1, 4))
+    # From the window after the one that first reports k = 4 (that one closes before the catch-up step ends).
+    after = [t for t in policy.windows if t.time_s >= 5.0 and "standard" in t.tiers
+             and t.tiers["standard"].draft_length == 4 and t.mean_batch_size == 1.0]
+    assert len(after) >= 3 and after[0].time_s == 5.0
+    for t in after:
+        assert t.mean_iteration_ms == pytest.approx(step_k4), t.time_s

@@ -190,7 +190,7 @@ class LatencyModel(BaseModel):
 
     def iteration_coeffs(self, k: int) -> tuple[float, float]:
         """``(fixed, per_seq)`` with iteration_ms(B, k) = fixed + per_seq · B (every row at k; at k = 0
-        with measured steps per batch, the line of the first segment: :meth:`plain_line` has the rest)."""
+        with measured steps per batch this is the least-squares line, and :meth:`plain_line` the step)."""
         if k == 0:
             return self.plain_coeffs()
         return (

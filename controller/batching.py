@@ -133,6 +133,14 @@ class ReplicaCounters:
     prefill_time_s: float = 0.0
     catch_up_time_s: float = 0.0  # the draft's catch-up inside decode steps (StepStats.catch_up_time_s)
     busy_time_s: float = 0.0
+    # The speculative steps (some row drafts) apart, as policies.telemetry.StepTotals sums them; plain
+    # steps are the rest. Their time is decode time: prefill and catch-up left out.
+    speculative_steps: int = 0
+    speculative_step_s: float = 0.0
+    speculative_rows: int = 0
+    speculative_draft_forwards: int = 0  # Σ k_max
+    speculative_verify_tokens: int = 0  # Σ over rows of k_r
+    speculative_drafted_row_forwards: int = 0  # Σ k_max · rows with k > 0
     dropped_records: int = 0
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
 
@@ -433,6 +441,18 @@ class BatchingLoop:
             c.prefill_time_s += float(getattr(stats, "prefill_time_s", 0.0))
             c.catch_up_time_s += float(getattr(stats, "catch_up_time_s", 0.0))
             c.prefill_tokens += int(getattr(stats, "prefill_tokens", 0))
+            k_max = int(getattr(stats, "draft_length", 0))
+            if k_max > 0:
+                # The rows row_iterations counts (a row with no token and no draft took no part in it).
+                ks = [int(getattr(row, "draft_length", k_max)) for row in stats.rows
+                      if row.new_token_ids or row.drafted]
+                c.speculative_steps += 1
+                c.speculative_step_s += (now - t0 - float(getattr(stats, "prefill_time_s", 0.0))
+                                         - float(getattr(stats, "catch_up_time_s", 0.0)))
+                c.speculative_rows += len(ks)
+                c.speculative_draft_forwards += k_max
+                c.speculative_verify_tokens += sum(ks)
+                c.speculative_drafted_row_forwards += k_max * sum(1 for k in ks if k > 0)
             for row in stats.rows:
                 job = self._jobs.get(row.request_id)
                 if job is None:  # aborted between submit and this step

@@ -32,7 +32,7 @@ from typing import Any
 from controller.batching import ReplicaCounters, RequestRecord, TierCounters
 from controller.protocol import ReplicaReport, ReplicaState
 from policies.slo import LatencyMetric, SLOSpec, TierSLO
-from policies.telemetry import LatencySummary, Telemetry, TierWindow
+from policies.telemetry import LatencySummary, StepTotals, Telemetry, TierWindow
 
 #: Incarnations whose acknowledged sequence number is remembered (oldest forgotten first).
 MAX_REMEMBERED_INCARNATIONS = 4096
@@ -143,7 +143,8 @@ class TelemetryAggregator:
         The fields the model-predictive policy corrects itself with come from the replicas' exact
         counters: per tier ``sequence_iterations`` (decode steps its rows took part in) and
         ``draft_length``; ``mean_iteration_ms`` = decode-step wall time (step time less prefill and draft catch-up) per
-        step and ``mean_batch_size`` = rows per step, over the window's steps (NaN without steps)."""
+        step and ``mean_batch_size`` = rows per step, over the window's steps (NaN without steps); ``plain_steps`` and
+        ``speculative_steps`` the same steps by kind, with what a step model needs of each."""
         reports, self._pending = self._pending, []
         totals = ReplicaCounters()
         records: list[RequestRecord] = []
@@ -223,6 +224,14 @@ class TelemetryAggregator:
             mean_iteration_ms=decode_s / totals.iterations * 1e3 if totals.iterations > 0 else math.nan,
             mean_batch_size=totals.row_iterations / totals.iterations if totals.iterations > 0 else math.nan,
             prefill_ms=totals.prefill_time_s * 1e3,
+            plain_steps=StepTotals(steps=totals.iterations - totals.speculative_steps,
+                                   ms=(decode_s - totals.speculative_step_s) * 1e3,
+                                   rows=totals.row_iterations - totals.speculative_rows),
+            speculative_steps=StepTotals(steps=totals.speculative_steps, ms=totals.speculative_step_s * 1e3,
+                                         rows=totals.speculative_rows,
+                                         draft_forwards=totals.speculative_draft_forwards,
+                                         verify_tokens=totals.speculative_verify_tokens,
+                                         drafted_row_forwards=totals.speculative_drafted_row_forwards),
             age_s=age_s,
             tiers=tiers_out,
         )

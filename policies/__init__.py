@@ -14,7 +14,7 @@ from policies.pid import PID, PIDPolicy
 from policies.registry import POLICY_NAMES, describe, make_policy
 from policies.slo import CostTarget, SLOSpec, TierSLO
 from policies.static import StaticPolicy
-from policies.telemetry import LatencySummary, Telemetry, TierWindow
+from policies.telemetry import LatencySummary, StepTotals, Telemetry, TierWindow
 
 __all__ = [
     "POLICY_NAMES",
@@ -40,6 +40,7 @@ __all__ = [
     "SpeedPoint",
     "StaticPolicy",
     "StepCost",
+    "StepTotals",
     "Telemetry",
     "TierClamp",
     "TierSLO",

@@ -86,7 +86,7 @@ import numpy as np
 from policies.decision import Decision
 from policies.slo import SLOSpec, TierSLO, tiers_by_budget
 from policies.step_correction import StepCorrection
-from policies.telemetry import Telemetry
+from policies.telemetry import StepTotals, Telemetry
 
 MODELS_DIR = Path(__file__).parent / "models"
 #: The operating model of the default pair (SmolLM2-135M → int8 copy), converted from the calibrated
@@ -612,6 +612,23 @@ class ModelPredictivePolicy:
 
     # ------------------------------------------------------------------ online estimates
 
+    def _observe_steps(self, plain: StepTotals | None, speculative: StepTotals | None) -> None:
+        """Correct the step model from steps reported by kind, each against the model of what it held:
+        exact whatever the mix across replicas, and a step that outlasts windows is still its own kind."""
+        c = self.model.cost
+        if plain is not None and plain.steps > 0 and plain.rows > 0:
+            batch = plain.mean_rows
+            plain_fixed, plain_per_row = self.model.cost.plain_line(np.array([batch]))
+            self.plain_step.observe(plain.mean_ms, float(plain_fixed[0]), float(plain_per_row[0]), batch)
+            self._kind_seen[True] = self._ticks
+        if speculative is not None and speculative.steps > 0 and speculative.rows > 0:
+            n, rows = speculative.steps, speculative.rows
+            fixed = (n * c.verify_fixed_ms + speculative.draft_forwards * c.draft_fixed_ms) / n
+            per_row = (rows * c.verify_per_seq_ms + speculative.verify_tokens * c.verify_per_token_ms
+                       + speculative.drafted_row_forwards * c.draft_per_seq_ms) / rows
+            self.draft_step.observe(speculative.mean_ms, fixed, per_row, speculative.mean_rows)
+            self._kind_seen[False] = self._ticks
+
     def _observe(self, telemetry: Telemetry) -> None:
         a = self.alpha
         replicas = max(1, telemetry.replicas)
@@ -659,7 +676,9 @@ class ModelPredictivePolicy:
             else self.current.get(n, (0.0, 0))[1]
             for n in self.tier_names
         ]])
-        if (self.current and steady and all(steady.values()) and math.isfinite(telemetry.mean_iteration_ms)
+        if telemetry.plain_steps is not None or telemetry.speculative_steps is not None:
+            self._observe_steps(telemetry.plain_steps, telemetry.speculative_steps)
+        elif (self.current and steady and all(steady.values()) and math.isfinite(telemetry.mean_iteration_ms)
                 and math.isfinite(telemetry.mean_batch_size)):
             shares = self.shares if not np.isnan(self.shares).any() else np.full(len(self.tier_names), 1.0)
             near = telemetry.mean_batch_size  # the plain step's segment the window ran in

@@ -78,6 +78,34 @@ class TierWindow:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTotals:
+    """Sums over one kind of decode step in a window: what a step-time model needs to predict their total.
+
+    A window's mean step mixes kinds (plain steps on one replica, speculative ones on another) and
+    compositions (the rows drafting, their k), and a long step can end windows after the change that
+    started it; so a source that can says which steps were which, and what each held. For a step of
+    ``B`` rows, ``k_max`` draft forwards over the ``n_d`` rows with k > 0 and a verify as wide as each
+    row's ``k_r``: ``rows`` = Σ B, ``draft_forwards`` = Σ k_max, ``verify_tokens`` = Σ Σ_r k_r,
+    ``drafted_row_forwards`` = Σ k_max · n_d. ``ms`` is decode time (prefills and draft catch-ups left out).
+    """
+
+    steps: int = 0
+    ms: float = 0.0
+    rows: int = 0
+    draft_forwards: int = 0
+    verify_tokens: int = 0
+    drafted_row_forwards: int = 0
+
+    @property
+    def mean_ms(self) -> float:
+        return self.ms / self.steps if self.steps > 0 else math.nan
+
+    @property
+    def mean_rows(self) -> float:
+        return self.rows / self.steps if self.steps > 0 else math.nan
+
+
+@dataclass(frozen=True, slots=True)
 class Telemetry:
     """Aggregated over all replicas for the window ``(time_s - window_s, time_s]``.
 
@@ -108,6 +136,10 @@ class Telemetry:
     #: Prefill wall time over the window, summed over replicas (ms): the joiners' prompts, during which
     #: the running batch stalls. NaN: not measured (a source that cannot separate it from decode steps).
     prefill_ms: float = math.nan
+    #: The window's decode steps by kind (k = 0 for every row; some row drafting). None: the source reports
+    #: only the mean above (then a step model corrects itself from windows that ran one kind throughout).
+    plain_steps: StepTotals | None = None
+    speculative_steps: StepTotals | None = None
     age_s: float = 0.0
     tiers: Mapping[str, TierWindow] = field(default_factory=dict)
 

@@ -58,13 +58,16 @@ class WindowBins:
 
     Feature columns of ``sums``: output tokens, decode sequence-iterations, accepted drafts,
     distortion, drafted tokens, decode iterations (steps), decode step time (ms), prefill time (ms,
-    the joiners' prefill iterations); then output tokens
+    the joiners' prefill iterations); the speculative steps' share of them (steps, ms, rows, draft
+    forwards, drafted-row forwards: :class:`policies.telemetry.StepTotals`; drafted tokens are their
+    verify tokens, plain steps the rest); then output tokens
     per tier, distortion per tier, sequence-iterations per tier (``BASE`` + tier offsets, see the
     ``tier_*`` slices).
     """
 
     TOKENS, SEQ_ITERS, ACCEPTED, DISTORTION, DRAFTED, ITERS, ITER_MS, PREFILL_MS = 0, 1, 2, 3, 4, 5, 6, 7
-    BASE = 8
+    SPEC_ITERS, SPEC_MS, SPEC_ROWS, SPEC_DRAFT_FORWARDS, SPEC_DRAFTED_ROW_FORWARDS = 8, 9, 10, 11, 12
+    BASE = 13
 
     def __init__(self, interval_s: float, horizon_s: float, n_tiers: int) -> None:
         self.interval_s = interval_s

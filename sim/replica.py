@@ -22,7 +22,8 @@ Iteration model (per replica, batch of B sequences, draft length k):
 - A decode iteration takes ``iteration_ms(B, k)`` when every row drafts the same k (at k = 0 the
   profile's plain step per batch when it measured one: ``DecodeSettings.plain_ms_by_rows``), else the mixed
   model (:meth:`sim.profile.LatencyModel.mixed_coeffs`: ``k_max`` draft steps over the drafting rows,
-  verify as wide as each row's k) over the rows still running; each sequence emits accepted + 1
+  verify as wide as each row's k) over the rows still running (a plain step once no running row
+  drafts); each sequence emits accepted + 1
   tokens, accepted drawn from the profile's per-position acceptance at its tier's current (T, k) (one
   uniform per sequence: accepted = #{i : u < S_i}, S_i = P(at least i accepted), S padded with zeros
   past the tier's k; k = 0 emits exactly one token); a sequence's last iteration is clipped at its
@@ -122,7 +123,7 @@ class _BatchTables:
     distortion_per_token: np.ndarray  # [B]
     event_p: np.ndarray | None  # [B]
     event_size: np.ndarray | None  # [B]
-    mixed: tuple[float, np.ndarray] | None = None  # LatencyModel.mixed_coeffs(row_k), filled on first use
+    row_drafts: np.ndarray  # [B] 1.0 where the row drafts (k > 0)
 
     @classmethod
     def build(cls, s: DecodeSettings, tiers: np.ndarray) -> _BatchTables:
@@ -143,6 +144,7 @@ class _BatchTables:
             onehot=s.tier_weights[:, _B : _B + n_t].take(tiers, axis=0),
             row_k=row_k,
             row_k_float=row_k.astype(float),
+            row_drafts=(row_k > 0).astype(float),
             uniform_k=int(row_k.min()) == int(row_k.max()),
             survival=survival,
             survival_asc0=survival_asc0,
@@ -304,6 +306,7 @@ class Replica:
             alive_before = np.empty((n_iter, b))
             alive_before[0] = 1.0
             alive_before[1:] = alive[:-1]
+        k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
         if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
             dt_ms = settings.plain_ms_by_rows.take(active_before)
             drafted: np.ndarray = np.zeros(n_iter)
@@ -311,15 +314,27 @@ class Replica:
             fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
             dt_ms = active_before * per_seq_ms
             dt_ms += fixed_ms
-            drafted = active_before * int(rows.row_k[0])
+            k = int(rows.row_k[0])
+            drafted = active_before * k
+            if k > 0:
+                k_max, drafting_rows = np.full(n_iter, float(k)), active_before
         else:
             assert alive_before is not None
-            if rows.mixed is None:
-                rows.mixed = self.latency.mixed_coeffs(rows.row_k)
-            fixed_ms, per_row_ms = rows.mixed
-            dt_ms = alive_before @ per_row_ms
-            dt_ms += fixed_ms
+            # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
+            # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
+            k_max = (alive_before * rows.row_k_float).max(axis=1)
+            drafting_rows = alive_before @ rows.row_drafts
             drafted = alive_before @ rows.row_k_float
+            lat = self.latency
+            dt_ms = lat.verify_a_ms + k_max * lat.draft_a_ms + active_before * lat.verify_b_ms
+            dt_ms += drafted * lat.verify_c_ms + k_max * drafting_rows * lat.draft_b_ms
+            plain_steps = k_max == 0
+            if plain_steps.any():
+                if settings.plain_ms_by_rows is not None:
+                    dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
+                else:
+                    plain_fixed, plain_per_row = lat.plain_coeffs()
+                    dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
         lag_grows = None
         catch_up_ms = 0.0
         if self.latency.models_draft_prefill:
@@ -354,6 +369,13 @@ class Replica:
         features[:, WindowBins.ITER_MS] = dt_ms
         if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
             features[off, WindowBins.ITER_MS] -= catch_up_ms
+        if k_max is not None:  # the speculative steps apart, with what the step model needs of each
+            speculative = k_max > 0
+            features[:, WindowBins.SPEC_ITERS] = speculative
+            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
+            features[:, WindowBins.SPEC_ROWS] = active_before * speculative
+            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
+            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
         if alive_before is None:
             features[:, _B + 2 * n_t + t0] = active_before
         else:

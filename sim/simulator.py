@@ -21,7 +21,7 @@ from fsd_common.validation import format_validation_error
 from policies.base import Policy
 from policies.decision import Decision
 from policies.slo import SLOSpec
-from policies.telemetry import Telemetry
+from policies.telemetry import StepTotals, Telemetry
 from policies.tiers import apply_decision
 from sim.autoscaler import Autoscaler, AutoscalerConfig, replica_startup_s
 from sim.entities import EventCounters, RequestTable, WindowBins
@@ -447,6 +447,8 @@ class Simulator:
                                   tier_seq_iters=sums[bins.tier_seq_iters], draft_lengths=self.draft_lengths)
         iters = float(sums[WindowBins.ITERS])
         drafted = float(sums[WindowBins.DRAFTED])
+        spec_iters, spec_ms = float(sums[WindowBins.SPEC_ITERS]), float(sums[WindowBins.SPEC_MS])
+        spec_rows = float(sums[WindowBins.SPEC_ROWS])
         queue_per = tuple([len(r.queue) for r in self._live()])
         self._completed_total += int(done.size)
         in_flight = self.counters.admitted_total - self._completed_total
@@ -474,6 +476,12 @@ class Simulator:
             mean_iteration_ms=float(sums[WindowBins.ITER_MS]) / iters if iters else math.nan,
             mean_batch_size=seq_iters / iters if iters else math.nan,
             prefill_ms=float(sums[WindowBins.PREFILL_MS]),
+            plain_steps=StepTotals(steps=int(round(iters - spec_iters)), ms=float(sums[WindowBins.ITER_MS]) - spec_ms,
+                                   rows=int(round(seq_iters - spec_rows))),
+            speculative_steps=StepTotals(
+                steps=int(round(spec_iters)), ms=spec_ms, rows=int(round(spec_rows)),
+                draft_forwards=int(round(sums[WindowBins.SPEC_DRAFT_FORWARDS])), verify_tokens=int(round(drafted)),
+                drafted_row_forwards=int(round(sums[WindowBins.SPEC_DRAFTED_ROW_FORWARDS]))),
             age_s=self.config.telemetry_age_s,
             tiers=tiers,
         )

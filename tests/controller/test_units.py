@@ -16,6 +16,7 @@ from controller.metrics import MetricsState
 from controller.protocol import ReplicaReport, ReplicaState
 from controller.telemetry_agg import TelemetryAggregator, request_met_slo
 from policies.slo import SLOSpec
+from policies.telemetry import StepTotals
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "controller" / "configs" / "example.yaml"
 
@@ -126,7 +127,10 @@ def test_window_fills_the_fields_the_model_predictive_policy_reads() -> None:
                 "standard": TierCounters(output_tokens=50, row_iterations=20)}
     ks = {"standard": 4, "economy": 4, "lossless": 0}
     agg.receive([_report("a", 1, {"iterations": 25, "row_iterations": 50, "output_tokens": 80, "busy_time_s": 2.5,
-                                  "prefill_time_s": 0.5, "catch_up_time_s": 0.25, "per_tier": per_tier},
+                                  "prefill_time_s": 0.5, "catch_up_time_s": 0.25, "per_tier": per_tier,
+                                  "speculative_steps": 10, "speculative_step_s": 1.0, "speculative_rows": 20,
+                                  "speculative_draft_forwards": 40, "speculative_verify_tokens": 60,
+                                  "speculative_drafted_row_forwards": 70},
                           draft_lengths=ks)], now_s=0.5)
     # Replica "b" disagrees on the economy tier's k: the controller's decided k stands for it.
     agg.receive([_report("b", 1, {}, draft_lengths={**ks, "economy": 2})], now_s=0.6)
@@ -136,6 +140,12 @@ def test_window_fills_the_fields_the_model_predictive_policy_reads() -> None:
     assert tel.mean_iteration_ms == pytest.approx((2.5 - 0.5 - 0.25) / 25 * 1e3)
     assert tel.mean_batch_size == pytest.approx(50 / 25)
     assert tel.prefill_ms == pytest.approx(500.0)  # the stall the policy charges running rows for
+    # The same steps by kind: plain ones are the rest of the decode time.
+    assert tel.speculative_steps == StepTotals(steps=10, ms=1000.0, rows=20, draft_forwards=40, verify_tokens=60,
+                                               drafted_row_forwards=70)
+    assert tel.plain_steps is not None
+    assert (tel.plain_steps.steps, tel.plain_steps.rows) == (15, 30)
+    assert tel.plain_steps.ms == pytest.approx((2.5 - 0.5 - 0.25 - 1.0) * 1e3)
     lossless, standard = tel.tiers["lossless"], tel.tiers["standard"]
     assert (lossless.draft_length, lossless.sequence_iterations, lossless.tokens_per_iteration) == (0, 30, 1.0)
     assert (standard.draft_length, standard.sequence_iterations, standard.tokens_per_iteration) == (4, 20, 2.5)
@@ -332,8 +342,17 @@ def test_batching_loop_runs_k_per_tier_per_row(engine: Any) -> None:
         standard_events = _drain(standard)
         # A request admitted while its tier runs k = 0: plain decoding from its first step.
         admitted = _drain(_collect(loop, "admitted", [257, 100], greedy, "lossless"))
+        c = loop.counters()
     finally:
         loop.stop()
+    # Steps by kind (policies.telemetry.StepTotals): speculative ones drafted k_max = 3 over their drafting rows
+    # (verify 3 wide each); the admitted request alone ran plain steps.
+    plain_steps = c.iterations - c.speculative_steps
+    assert c.speculative_steps > 0 and plain_steps >= 40
+    assert c.speculative_draft_forwards == 3 * c.speculative_steps
+    assert c.speculative_verify_tokens == c.speculative_drafted_row_forwards > 0
+    assert c.speculative_rows >= c.speculative_steps and c.row_iterations - c.speculative_rows >= plain_steps
+    assert 0 < c.speculative_step_s < c.busy_time_s
     steps = [e for e in lossless_events if not e.finished]
     switch = next(i for i, e in enumerate(steps) if e.draft_length == 0)
     assert 0 < switch < len(steps) - 5, "the push reached the running row within a few steps"

@@ -12,7 +12,7 @@ import pytest
 from policies.decision import Decision
 from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost
 from policies.slo import SLOSpec, TierSLO
-from policies.telemetry import Telemetry
+from policies.telemetry import StepTotals, Telemetry
 from tests.policies.builders import make_slo, make_telemetry, make_tier_window
 
 
@@ -698,3 +698,25 @@ def test_the_planned_plain_step_is_read_at_the_planned_batch() -> None:
     fixed, per_row = policy.model.cost.plain_line(batch)
     assert step == pytest.approx(float(fixed + per_row * batch), rel=0.05)
     assert step == pytest.approx(CONCAVE[2], rel=0.02)  # 3 rows run: the table's 91 ms (the line says 81)
+
+
+def test_steps_reported_by_kind_correct_each_kind_at_its_own_composition() -> None:
+    """Plain steps (one replica) at 2x the model and speculative ones (another: 2 of 5 rows at k = 4) at 0.8x,
+    in windows reported at k = 0 throughout (a long speculative step ends windows after a change): each fit
+    learns its own factor. From the window's mean step alone (the fleet's shares, the k reported) neither can."""
+    policy = ModelPredictivePolicy(make_slo(), toy_model())
+    c = policy.model.cost
+    plain_ms = c.plain_fixed_ms + 3 * c.plain_per_seq_ms
+    spec_ms = (4 * c.draft_fixed_ms + c.verify_fixed_ms + 5 * c.verify_per_seq_ms + 8 * c.verify_per_token_ms
+               + 4 * 2 * c.draft_per_seq_ms)
+    for tick in range(1, 21):
+        policy.decide(load(4, arrivals=0, time_s=float(tick),
+                           tiers={**window("standard", k=0), **window("economy", k=0)},
+                           mean_iteration_ms=(10 * 2 * plain_ms + 2 * 0.8 * spec_ms) / 12, mean_batch_size=40 / 12,
+                           plain_steps=StepTotals(steps=10, ms=10 * 2 * plain_ms, rows=30),
+                           speculative_steps=StepTotals(steps=2, ms=2 * 0.8 * spec_ms, rows=10, draft_forwards=8,
+                                                        verify_tokens=16, drafted_row_forwards=16)))
+    assert policy.plain_step.at(c.plain_fixed_ms, c.plain_per_seq_ms, 3.0) == pytest.approx(2.0, rel=0.02)
+    assert policy.draft_step.at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.02)
+    assert policy.draft_step.windows == 20
+

@@ -125,6 +125,38 @@ def test_mixed_batch_steps_at_the_mixed_model_time_and_each_tier_keeps_its_k() -
         assert t.tiers["lossless"].mean_distortion == 0.0
 
 
+def test_windows_report_steps_by_kind_and_a_mixed_batch_steps_plain_once_no_row_drafts() -> None:
+    """A row drafting k = 4 beside a plain one, then (it done) the plain one alone, inside one drawn segment:
+    speculative steps at the mixed model's time with their composition, then plain steps at the plain
+    step's time (no draft forwards charged for a row that is gone)."""
+    profile = handmade_profile()
+    w = Requests(arrival_s=np.array([0.1, 0.1]), prompt_tokens=np.array([10, 10]),
+                 output_tokens=np.array([1500, 400]), tier=np.array([0, 1], dtype=np.int16),
+                 tier_names=("lossless", "standard"))
+    policy = Recorder(StaticPolicy(TWO_TIERS, 1.0, draft_lengths={"lossless": 0, "standard": 4}))
+    run_sim(w, policy, slo=TWO_TIERS, profile=profile, replicas=1, max_batch=8, seed=0, control_interval_s=1.0)
+    fixed, per_row = profile.latency.mixed_coeffs(np.array([0, 4]))
+    plain_ms = float(profile.latency.iteration_ms(1, 0))
+    mixed_windows = plain_windows = 0
+    for t in policy.windows:
+        spec, plain = t.speculative_steps, t.plain_steps
+        if t.time_s == 0.0:  # the initial window, before any step
+            continue
+        assert spec is not None and plain is not None
+        assert spec.ms + plain.ms == pytest.approx(t.mean_iteration_ms * (spec.steps + plain.steps), nan_ok=True)
+        if t.prefill_ms > 0:
+            continue
+        if spec.steps and not plain.steps:
+            mixed_windows += 1
+            assert spec.mean_ms == pytest.approx(fixed + per_row.sum())
+            assert (spec.rows, spec.draft_forwards, spec.verify_tokens, spec.drafted_row_forwards) == (
+                2 * spec.steps, 4 * spec.steps, 4 * spec.steps, 4 * spec.steps)
+        elif plain.steps and not spec.steps:
+            plain_windows += 1
+            assert plain.mean_ms == pytest.approx(plain_ms) and plain.rows == plain.steps
+    assert mixed_windows >= 3 and plain_windows >= 3, (mixed_windows, plain_windows)
+
+
 class Flipper:
     """Every tick a new (T, k) for the standard and economy tiers (cycling): every decision truncates
     the drawn segments holding them, so window sums are taken back and redrawn all the time."""

@@ -79,6 +79,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -302,6 +303,29 @@ def _row_sums(a: np.ndarray) -> np.ndarray:
     return total
 
 
+_Z95 = 1.6448536269514722  # the standard normal's 95th percentile
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    """Φ(x), the logistic approximation (within 0.01): ranks candidates, thousands per tick."""
+    return np.asarray(1.0 / (1.0 + np.exp(-1.702 * np.clip(x, -30.0, 30.0))), dtype=float)
+
+
+def _anchored_z(ratios_now: Sequence[float], spreads: Sequence[float], measured: float) -> float:
+    """The ``z`` at which ``Π Φ(z − ln r / σ)`` over a tier's latency ratios in force equals its measured
+    attainment (clipped to [0.02, 0.98]): bisection, the product rising in ``z``."""
+    target = min(max(measured, 0.02), 0.98)
+    logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
+    lo, hi = -40.0, 40.0
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        p = 1.0
+        for x in logs:
+            p *= 1.0 / (1.0 + math.exp(-1.702 * min(max(mid - x, -30.0), 30.0)))
+        lo, hi = (mid, hi) if p < target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
 def _lexmin(keys: Sequence[np.ndarray]) -> int:
     """``np.lexsort(keys)[0]`` (the last key primary; ties to the lowest index) by narrowing the
     candidates key by key instead of sorting them all (lexsort of 5 keys over ~2,400 rows: ~3 ms)."""
@@ -401,6 +425,7 @@ class ModelPredictivePolicy:
         min_replicas: int = 1,
         max_replicas: int | None = None,
         scale_down_slack: float = 0.15,
+        spread_prior: float = 0.3,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -435,6 +460,9 @@ class ModelPredictivePolicy:
         self.short_enter, self.short_exit = short_enter, short_exit
         if min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        if not (math.isfinite(spread_prior) and spread_prior > 0):
+            raise ValueError(f"spread_prior must be finite and > 0, got {spread_prior}")
+        self.spread_prior = spread_prior
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -451,6 +479,10 @@ class ModelPredictivePolicy:
         self.budget_margin, self.alpha, self.min_samples = budget_margin, alpha, min_samples
         self.t_grid = tuple(float(t) for t in t_grid)
         self.tier_names = list(slo.tiers)
+        # The normal quantile of each tier's attainment target: a prediction at the target (margin
+        # included) is the target share of requests meeting it (see decide's best-effort objective).
+        self._attainment_z = {name: NormalDist().inv_cdf(min(max(slo.tiers[name].attainment_target, 0.5), 0.999))
+                              for name in self.tier_names}
         self._curves = {k: self.model.curve(k) for k in self.model.draft_lengths}  # per tick in _observe
         self._batch_curves = {k: self.model.batch_curve(k) for k in self.model.draft_lengths}
         self._candidates = {name: self._tier_candidates(slo.tiers[name]) for name in self.tier_names}
@@ -576,6 +608,9 @@ class ModelPredictivePolicy:
         self._pending_tokens = np.zeros((n, 3))
         self._pending_distortion = np.zeros((n, 3))
         self.measured_attainment = {name: math.nan for name in self.tier_names}
+        # Log-spread of the requests' TPOT and TTFT about their median, per tier (ln(p95 / p50) / 1.645,
+        # measured): how far from its target a prediction may sit and still have requests meet it.
+        self.spread = {name: {"tpot": self.spread_prior, "ttft": self.spread_prior} for name in self.tier_names}
         self.short = {name: False for name in self.tier_names}
         self.current: dict[str, tuple[float, int]] = {}
         self._best_effort: dict[str, bool] = {}
@@ -693,6 +728,10 @@ class ModelPredictivePolicy:
             if window is None:
                 continue
             self._update_margin(name, window.slo_met, window.completions)
+            for metric, summary in (("tpot", window.tpot), ("ttft", window.ttft)):
+                if summary.count >= self.min_samples and summary.p50_ms > 0 and summary.p95_ms > 0:
+                    spread = min(max(math.log(summary.p95_ms / summary.p50_ms) / _Z95, 0.05), 1.5)
+                    self.spread[name][metric] = _ewma(self.spread[name][metric], spread, a)
             if name not in self.current:
                 continue
             # Compare with the model at the (T, k) the tier actually ran at (the guards, the quality
@@ -814,6 +853,16 @@ class ModelPredictivePolicy:
             return np.zeros(plain.size)
         plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
         return np.asarray(plain != plain_now, dtype=float)
+
+    def _current_index(self, ks: np.ndarray, thresholds: np.ndarray, act_idx: Sequence[int]) -> int | None:
+        """The joint candidate that is the (T, k) in force over the active tiers (None: not a candidate)."""
+        if not self.current or not act_idx:
+            return None
+        cols = list(act_idx)
+        now_k = np.array([self.current.get(self.tier_names[i], (0.0, -1))[1] for i in cols])
+        now_t = np.array([self.current.get(self.tier_names[i], (math.nan, 0))[0] for i in cols])
+        hit = np.flatnonzero((ks[:, cols] == now_k).all(axis=1) & (np.abs(thresholds[:, cols] - now_t) < 1e-9).all(axis=1))
+        return int(hit[0]) if hit.size else None
 
     def _ks_now(self) -> np.ndarray:
         """[tiers] the draft lengths in force: the last decision's (0 before any)."""
@@ -1002,7 +1051,7 @@ class ModelPredictivePolicy:
 
         meets = np.ones((n, n_t), dtype=bool)
         # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.
-        ratios: dict[int, list[np.ndarray]] = {i: [] for i in act_idx}
+        ratios: dict[int, list[tuple[str, np.ndarray]]] = {i: [] for i in act_idx}
         wait_and_step = wait + step
         for i in act_idx:
             name = self.tier_names[i]
@@ -1011,12 +1060,12 @@ class ModelPredictivePolicy:
             if tier.tpot_ms is not None:
                 ratio = m * tpot_ranked[:, i] / tier.tpot_ms
                 meets[:, i] &= ratio <= 1.0
-                ratios[i].append(ratio)
+                ratios[i].append(("tpot", ratio))
             if tier.ttft_ms is not None:
                 ttft = m * wait_and_step + self.prefill_ms[name]
                 ratio = np.minimum(ttft / tier.ttft_ms, 10.0)
                 meets[:, i] &= ratio <= 1.0
-                ratios[i].append(ratio)
+                ratios[i].append(("ttft", ratio))
             if self.short[name]:
                 meets[:, i] = False
         if pruned:
@@ -1047,15 +1096,33 @@ class ModelPredictivePolicy:
             keys = [cost[pool], best_effort_tpot, *reversed(distortion_keys)]
         else:
             violation = np.zeros((pool.size, n_t))
+            attained = np.ones((pool.size, n_t))
+            now = self._current_index(ks, thresholds, act_idx)
+            if now is not None and not within[now]:
+                now = None  # out of budget: not a candidate (as in a budget-pruned universe)
             for i, tier_ratios in ratios.items():
-                for ratio in tier_ratios:
+                name = self.tier_names[i]
+                spreads = [self.spread[name][metric] for metric, _ in tier_ratios]
+                z = self._attainment_z[name]
+                measured = self.measured_attainment[name]
+                if now is not None and math.isfinite(measured):
+                    z = _anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
+                for (_, ratio), spread in zip(tier_ratios, spreads, strict=True):
                     violation[:, i] += np.maximum(ratio[pool] - 1.0, 0.0)
-            met_share = _row_sums(meets[pool] * shares)
+                    attained[:, i] *= _normal_cdf(z - np.log(ratio[pool]) / spread)
+            # The objective where no candidate meets: the most attainment. Each tier's share of requests
+            # meeting its targets, predicted from how far each candidate moves its latencies against its
+            # targets (in the spread of its requests' latencies): from what is measured at the point in
+            # force, or (none measured yet) a tier predicted at its target (margin included) at its target
+            # share. Not "tiers that meet" (0 or 1 each): with that a tier predicted to miss counted
+            # nothing whatever its step, and a loose tier drafting (to meet) at a full batch tripled the
+            # step of a tight tier that still met half its requests at k = 0 (set F, session 17).
+            predicted_attainment = _row_sums(attained * shares)
             weighted_violation = _row_sums(violation * shares)
-            # Most traffic meeting its targets, then the smallest violation, then the fastest (the
-            # cost order lets the loose tiers spend their budget on capacity), then least distortion.
+            # Most attainment, then the smallest violation, then the fastest (the cost order lets the
+            # loose tiers spend their budget on capacity), then least distortion.
             keys = [*reversed(distortion_keys), np.round(cost[pool], 2), best_effort_tpot,
-                    np.round(weighted_violation, 2), -np.round(met_share, 3)]
+                    np.round(weighted_violation, 2), -np.round(predicted_attainment, 3)]
         chosen = _lexmin(keys)
         best = int(pool[chosen])
         best_distortion = distortion_pool[chosen]

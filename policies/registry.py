@@ -121,6 +121,7 @@ class MPCParams(_Params):
     max_replicas: int | None = Field(
         None, ge=1, description="None: the owner's; with neither, the policy emits no replica count")
     scale_down_slack: float = Field(0.15, ge=0)
+    spread_prior: float = Field(0.3, gt=0, description="log-spread of request latencies until measured")
 
 
 class QualityParams(_Params):

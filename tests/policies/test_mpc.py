@@ -12,7 +12,7 @@ import pytest
 from policies.decision import Decision
 from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost
 from policies.slo import SLOSpec, TierSLO
-from policies.telemetry import StepTotals, Telemetry
+from policies.telemetry import LatencySummary, StepTotals, Telemetry
 from tests.policies.builders import make_slo, make_telemetry, make_tier_window
 
 
@@ -720,3 +720,31 @@ def test_steps_reported_by_kind_correct_each_kind_at_its_own_composition() -> No
     assert policy.draft_step.at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.02)
     assert policy.draft_step.windows == 20
 
+
+def test_best_effort_trades_attainment_not_tiers() -> None:
+    """Nothing is predicted to meet. The loose tier drafting at T > 0 would meet its target, and triple the step
+    its plain neighbours share. The tight tier, measured meeting half its requests at plain decoding (the loose
+    one all of its), keeps them: a tier predicted to miss still counts what it attains (set F, session 17: the
+    old objective counted tiers that meet, and drafted). Measured meeting none, the tight tier has less to lose
+    than the loose one (at 0.9) gains, and the policy drafts."""
+    def spread(p50: float, p95: float) -> LatencySummary:
+        return LatencySummary(10, p50, 0.9 * p95, p95, 1.1 * p95)
+
+    slo = make_slo(standard={"tpot_ms": 40.0, "ttft_ms": 60000.0, "max_threshold": 0.0},
+                   economy={"tpot_ms": 80.0, "ttft_ms": 60000.0}, lossless={"ttft_ms": 60000.0})
+    model = toy_model(draft_fixed_ms=20.0, draft_per_seq_ms=6.0)
+    plain_ms = model.cost.plain_fixed_ms + 4 * model.cost.plain_per_seq_ms
+    standard_tpot, economy_t = {}, {}
+    for standard_met, economy_met in ((5, 10), (0, 9)):
+        policy = ModelPredictivePolicy(slo, model)
+        for tick in range(1, 12):
+            tiers = {name: make_tier_window(completions=10, slo_met=m, draft_length=0, tpot=spread(55.0, 90.0),
+                                            output_tokens=n, sequence_iterations=n)
+                     for name, m, n in (("standard", standard_met, 300), ("economy", economy_met, 200))}
+            decision = policy.decide(load(4, arrivals=1, tiers=tiers, time_s=float(tick), output_tokens=500,
+                                          prefill_ms=20.0))
+        assert "best effort" in decision.reason
+        standard_tpot[standard_met] = policy.last_prediction["standard"]["tpot_ms"]
+        economy_t[standard_met] = decision.thresholds["economy"]
+    assert standard_tpot[5] < 1.2 * plain_ms and economy_t[5] == 0.0, (standard_tpot, economy_t)
+    assert standard_tpot[0] > 2 * plain_ms and economy_t[0] > 0.0, (standard_tpot, economy_t)

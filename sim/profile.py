@@ -213,6 +213,14 @@ class LatencyModel(BaseModel):
         per_row = self.verify_b_ms + self.verify_c_ms * ks + (ks > 0) * (k_max * self.draft_b_ms)
         return k_max * self.draft_a_ms + self.verify_a_ms, per_row.astype(float)
 
+    def speculative_step_ms(self, rows: np.ndarray, verify_tokens: np.ndarray, draft_forwards: np.ndarray,
+                            drafting_rows: np.ndarray) -> np.ndarray:
+        """:meth:`mixed_coeffs`' step from what the steps held (arrays, one entry per step): ``rows``, Σ k_r
+        over them, ``k_max``, the rows with k > 0. Only for steps where some row drafts (``k_max`` > 0)."""
+        ms = self.verify_a_ms + draft_forwards * self.draft_a_ms + rows * self.verify_b_ms
+        ms += verify_tokens * self.verify_c_ms + draft_forwards * drafting_rows * self.draft_b_ms
+        return np.asarray(ms, dtype=float)
+
     def prefill_ms(self, prompt_tokens: int, drafting_tokens: int | None = None) -> float:
         """A join's prefill of ``prompt_tokens``; ``drafting_tokens`` of them belong to rows joining at k > 0
         (the draft prefills those too; None: all of them)."""

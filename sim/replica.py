@@ -325,15 +325,13 @@ class Replica:
             k_max = (alive_before * rows.row_k_float).max(axis=1)
             drafting_rows = alive_before @ rows.row_drafts
             drafted = alive_before @ rows.row_k_float
-            lat = self.latency
-            dt_ms = lat.verify_a_ms + k_max * lat.draft_a_ms + active_before * lat.verify_b_ms
-            dt_ms += drafted * lat.verify_c_ms + k_max * drafting_rows * lat.draft_b_ms
+            dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
             plain_steps = k_max == 0
             if plain_steps.any():
                 if settings.plain_ms_by_rows is not None:
                     dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
                 else:
-                    plain_fixed, plain_per_row = lat.plain_coeffs()
+                    plain_fixed, plain_per_row = self.latency.plain_coeffs()
                     dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
         lag_grows = None
         catch_up_ms = 0.0

@@ -64,6 +64,9 @@ def test_mixed_step_model_reduces_to_the_uniform_one() -> None:
     expected = (4 * (lat.draft_a_ms + lat.draft_b_ms) + lat.verify_a_ms + 2 * lat.verify_b_ms
                 + 4 * lat.verify_c_ms)
     assert fixed + per_row.sum() == pytest.approx(expected)
+    # The same step from its sums (rows 2, verify tokens 4, k_max 4, one drafting row).
+    assert float(lat.speculative_step_ms(np.array([2]), np.array([4]), np.array([4]), np.array([1]))[0]) == (
+        pytest.approx(expected))
 
 
 def test_k0_tier_emits_one_token_per_step_at_the_plain_step_time_without_distortion() -> None:

@@ -36,6 +36,7 @@ Criterion per case, on the means over seeds (see docs/sim.md):
     .venv/bin/python benchmarks/policy_compare.py --set D --seed-offset 15  # held-out set D (code), 15-19
     .venv/bin/python benchmarks/policy_compare.py --set E --seed-offset 30  # held-out set E (code, matched), 30-34
     .venv/bin/python benchmarks/policy_compare.py --set F --seed-offset 35  # set A's slices, matched, 35-39
+    .venv/bin/python benchmarks/policy_compare.py --set G --seed-offset 50  # conv at 52 / 33 min, matched, 50-54
     .venv/bin/python benchmarks/policy_compare.py --seeds 2 --duration 150   # smoke
     .venv/bin/python benchmarks/policy_compare.py --tuning        # the shipped scenarios it was tuned on
 
@@ -134,9 +135,12 @@ def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sam
 #: hand-made replicas too: best static points at 0.05-0.14 attainment), so set F (seeds 35-39) is set A's
 #: conversation slices with the calibrated cases matched by the same rule; its slices were seen before
 #: (run 1), its seeds and calibrated sizing were not.
+#: Set G (seeds 50-54, session 17) is the conversation part at minutes no set started at (52 calibrated, 33
+#: hand-made; the trace's last 8 minutes and a slice between sets C's and B's), matched like E and F: the
+#: evaluation of session 17's changes, which were traced on set F.
 HELDOUT_SETS = {"A": ("conv", 40, 50), "B": ("conv", 45, 35), "C": ("conv", 30, 30), "D": ("code", 20, 40),
-                "E": ("code", 5, 50), "F": ("conv", 40, 50)}
-MATCHED_SETS = {"E", "F"}
+                "E": ("code", 5, 50), "F": ("conv", 40, 50), "G": ("conv", 52, 33)}
+MATCHED_SETS = {"E", "F", "G"}
 #: Requests kept per 2 replicas (calibrated, hand-made): the code trace has 8,818 requests in its hour
 #: against the conversation trace's 19,365, so its fractions are scaled up to the same mean arrival rate.
 _SAMPLE = {"conv": (0.035, 0.055), "code": (0.035 * 19365 / 8818, 0.055 * 19365 / 8818)}
@@ -318,7 +322,7 @@ def main() -> int:
     ap.add_argument("--set", dest="heldout_set", choices=sorted(HELDOUT_SETS), default="A",
                     help="held-out set (A: conv slices at 40/50 min; B: 45/35 min; C: 30/30 min; D: code trace, "
                     "20/40 min; E: code trace, 5/50 min, and F: A's slices, calibrated cases matched to the "
-                    "hand-made ones)")
+                    "hand-made ones; G: conv at 52/33 min, matched)")
     ap.add_argument("--seed-offset", type=int, default=0, help="first seed (set B was run with 5)")
     ap.add_argument("--cases", default="", help="comma-separated substrings: keep matching cases only")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))

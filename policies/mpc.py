@@ -303,6 +303,9 @@ def _row_sums(a: np.ndarray) -> np.ndarray:
     return total
 
 
+#: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
+#: a step on average: steps are admission points) and the decode step its prefill is fused with.
+_TTFT_STEPS = 1.5
 _Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 
 
@@ -773,7 +776,7 @@ class ModelPredictivePolicy:
             if (prediction is not None and window.ttft.count > 0 and math.isfinite(window.ttft.p50_ms)
                     and math.isfinite(arrived_s) and arrived_s > self._queue_seen_s
                     and math.isfinite(prediction["wait_ms"])):
-                residual = window.ttft.p50_ms - prediction["wait_ms"] - prediction["step_ms"]
+                residual = window.ttft.p50_ms - prediction["wait_ms"] - _TTFT_STEPS * prediction["step_ms"]
                 self.prefill_ms[name] = _ewma(self.prefill_ms[name], max(residual, 0.0), a)
 
     @staticmethod
@@ -1052,7 +1055,7 @@ class ModelPredictivePolicy:
         meets = np.ones((n, n_t), dtype=bool)
         # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.
         ratios: dict[int, list[tuple[str, np.ndarray]]] = {i: [] for i in act_idx}
-        wait_and_step = wait + step
+        wait_and_step = wait + _TTFT_STEPS * step
         for i in act_idx:
             name = self.tier_names[i]
             tier = self.slo.tiers[name]
@@ -1196,7 +1199,7 @@ class ModelPredictivePolicy:
             if tier.tpot_ms is not None:
                 ok &= m * step / tokens[:, i] / (1.0 - stall) <= tier.tpot_ms
             if tier.ttft_ms is not None:
-                ok &= m * step + self.prefill_ms[name] <= tier.ttft_ms
+                ok &= m * _TTFT_STEPS * step + self.prefill_ms[name] <= tier.ttft_ms
         return np.asarray(ok, dtype=bool)
 
     def _plan_replicas(self, ks: np.ndarray, tokens: np.ndarray, distortion: np.ndarray, shares: np.ndarray,

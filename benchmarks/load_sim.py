@@ -10,6 +10,7 @@ Deterministic; seconds per configuration. Prints JSON (and writes ``--out``)::
 
     .venv/bin/python benchmarks/load_sim.py --rates 0.2,1.0 --tpot-ms 200 --seeds 0-7
     .venv/bin/python benchmarks/load_sim.py --rates 0.1,0.6 --tpot-ms 150 --seeds 100-109
+    .venv/bin/python benchmarks/load_sim.py --rates 0.1,0.5 --tpot-ms 97 --step-overhead-ms 45 --seeds 100-109
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def load_slo(tier: str, tpot_ms: float) -> SLOSpec:
     return SLOSpec.model_validate({"tiers": tiers, "default_tier": "standard"})
 
 
+def with_step_overhead(profile: Profile, overhead_ms: float) -> Profile:
+    """``profile`` with ``overhead_ms`` more per decode step, plain and speculative alike."""
+    if not (overhead_ms >= 0):
+        raise SystemExit(f"--step-overhead-ms must be >= 0, got {overhead_ms}")
+    lat = profile.latency.model_dump()
+    lat["verify_a_ms"] += overhead_ms
+    a, _ = profile.latency.plain_coeffs()
+    lat["plain_step_a_ms"] = a + overhead_ms
+    if lat.get("plain_step_ms_by_batch"):
+        lat["plain_step_ms_by_batch"] = [ms + overhead_ms for ms in lat["plain_step_ms_by_batch"]]
+    return Profile.model_validate({**profile.model_dump(), "latency": lat})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="0.2,1.0", help="low,high req/s (low, high, low)")
@@ -76,6 +90,10 @@ def main() -> int:
     ap.add_argument("--policy-profile", default=None,
                     help="profile the policies' models come from (default: --profile); another one simulates a "
                     "controller whose model is off, e.g. the shipped profile on a slower machine")
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0,
+                    help="ms added to every decode step of the replica's profile (not the policies'): a contended "
+                    "replica, as live beside the load generator and Ray (session 17's real step load: plain steps "
+                    "~2x the calibrated model at one row, speculative ~1.2x)")
     ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
     ap.add_argument("--out", default="results/load_sim.json")
     args = ap.parse_args()
@@ -83,6 +101,8 @@ def main() -> int:
     slo = load_slo(args.tier, args.tpot_ms)
     profile = Profile.load(args.profile)
     policy_profile = Profile.load(args.policy_profile) if args.policy_profile else profile
+    if args.step_overhead_ms:
+        profile = with_step_overhead(profile, args.step_overhead_ms)
     configs: dict[str, Any] = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     for seed in args.seeds:

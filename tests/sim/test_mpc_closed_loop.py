@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel
 from policies.slo import SLOSpec
@@ -77,3 +78,17 @@ def test_where_plain_decoding_meets_the_slo_the_shipped_policy_spends_no_distort
     assert min(a for a, _ in plain) >= 0.95, plain  # the premise: plain decoding meets it on every seed
     assert min(a for a, _ in shipped) >= 0.95, shipped
     assert float(np.mean([d for _, d in shipped])) <= 0.01, shipped
+
+
+def test_load_sims_step_overhead_adds_to_every_decode_step_of_the_replica() -> None:
+    """``benchmarks/load_sim.py --step-overhead-ms``: the contended replica's every decode step, plain (table and
+    beyond it) or speculative at any k, takes the overhead more; prefill does not."""
+    from benchmarks.load_sim import with_step_overhead
+
+    base = Profile.default()
+    slow = with_step_overhead(base, 45.0)
+    for k in (0, 2, 4, 6):
+        for rows in (1, 3, 8, 10):
+            expected = float(base.latency.iteration_ms(rows, k)) + 45.0
+            assert float(slow.latency.iteration_ms(rows, k)) == pytest.approx(expected), (k, rows)
+    assert slow.latency.prefill_ms(100) == base.latency.prefill_ms(100)

@@ -109,14 +109,21 @@ def test_plain_steps_run_at_the_measured_step_per_batch_when_the_profile_has_one
                                                                  "plain_step_ms_by_batch": [10.0, 0.0]}})
 
 
-def test_mixed_batch_steps_at_the_mixed_model_time_and_each_tier_keeps_its_k() -> None:
-    profile = handmade_profile()
-    # One request per tier, arriving together, long outputs: both decode side by side.
+def _lossless_beside_standard(profile: Profile, lossless_tokens: int, standard_tokens: int) -> Recorder:
+    """One lossless request (k = 0) and one standard (k = 4, T = 1) arriving together on one replica: the
+    windows the static policy saw."""
     w = Requests(arrival_s=np.array([0.1, 0.1]), prompt_tokens=np.array([10, 10]),
-                 output_tokens=np.array([400, 400]), tier=np.array([0, 1], dtype=np.int16),
+                 output_tokens=np.array([lossless_tokens, standard_tokens]), tier=np.array([0, 1], dtype=np.int16),
                  tier_names=("lossless", "standard"))
     policy = Recorder(StaticPolicy(TWO_TIERS, 1.0, draft_lengths={"lossless": 0, "standard": 4}))
     run_sim(w, policy, slo=TWO_TIERS, profile=profile, replicas=1, max_batch=8, seed=0, control_interval_s=1.0)
+    return policy
+
+
+def test_mixed_batch_steps_at_the_mixed_model_time_and_each_tier_keeps_its_k() -> None:
+    profile = handmade_profile()
+    # Long outputs: both decode side by side.
+    policy = _lossless_beside_standard(profile, 400, 400)
     fixed, per_row = profile.latency.mixed_coeffs(np.array([0, 4]))
     both = [t for t in policy.windows if t.mean_batch_size == pytest.approx(2.0)]
     assert len(both) >= 3
@@ -133,11 +140,7 @@ def test_windows_report_steps_by_kind_and_a_mixed_batch_steps_plain_once_no_row_
     speculative steps at the mixed model's time with their composition, then plain steps at the plain
     step's time (no draft forwards charged for a row that is gone)."""
     profile = handmade_profile()
-    w = Requests(arrival_s=np.array([0.1, 0.1]), prompt_tokens=np.array([10, 10]),
-                 output_tokens=np.array([1500, 400]), tier=np.array([0, 1], dtype=np.int16),
-                 tier_names=("lossless", "standard"))
-    policy = Recorder(StaticPolicy(TWO_TIERS, 1.0, draft_lengths={"lossless": 0, "standard": 4}))
-    run_sim(w, policy, slo=TWO_TIERS, profile=profile, replicas=1, max_batch=8, seed=0, control_interval_s=1.0)
+    policy = _lossless_beside_standard(profile, 1500, 400)
     fixed, per_row = profile.latency.mixed_coeffs(np.array([0, 4]))
     plain_ms = float(profile.latency.iteration_ms(1, 0))
     mixed_windows = plain_windows = 0

@@ -1047,8 +1047,11 @@ class ModelPredictivePolicy:
         cost = step / (batch * mean_tokens)  # ms of replica time per output token
 
         # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
-        # No margin while probing: the margin guards against two noisy fits, and one of them is stale.
-        switch = 1.0 + (self.switch_margin if probe is None else 0.0) * self._switches_kind(u.plain, active)
+        # No margin while probing speculative steps: the margin guards against two noisy fits, and one of them
+        # is stale. A probe of plain steps keeps it: leaving them again costs the draft's catch-up over the
+        # backlog the probe builds, which nothing here charges (session 17, a contended replica's step load:
+        # probes of plain steps mid-burst at near-ties, each paid back with a full batch's catch-up).
+        switch = 1.0 + (0.0 if probe is True else self.switch_margin) * self._switches_kind(u.plain, active)
         tpot_ranked = tpot * switch[:, None]
         cost = cost * switch
 

@@ -764,3 +764,26 @@ def test_ttft_holds_the_rest_of_the_running_step_and_the_joiners_first_step() ->
     prediction = policy.last_prediction["standard"]
     expected = 1000.0 - prediction["wait_ms"] - 1.5 * prediction["step_ms"]
     assert policy.prefill_ms["standard"] == pytest.approx(expected, rel=0.02)
+
+
+def test_a_probe_of_plain_steps_keeps_the_switch_margin() -> None:
+    """Speculative steps in force, measured slow, plain ones never run, the tier short: plain decoding is probed
+    only when its optimistic prediction beats drafting by the switch margin. Leaving plain steps again costs the
+    draft's catch-up over the backlog the probe builds, which the ranking does not charge (session 17: a contended
+    replica's step load probed plain steps mid-burst at near-ties and paid a full batch's catch-up back)."""
+    slo = make_slo(economy={"tpot_ms": 5.0})  # out of reach: every window misses, the tier goes short
+
+    def decide_after(spec_ratio: float) -> Decision:
+        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
+        for tick in range(1, 16):
+            policy.current = {name: (4.0, 4) for name in policy.tier_names}
+            ms = spec_ratio * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 6.0)[0])
+            decision = policy.decide(load(6, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=6.0,
+                                          tiers=window("economy", k=4, threshold=4.0, slo_met=0)))
+        assert policy.short["economy"]
+        return decision
+
+    near_tie = decide_after(1.3)  # at the planned full batch T = 4, k = 4 at ~101 ms per token, plain 97 (4 % better)
+    assert near_tie.draft_lengths["economy"] == 4, near_tie.reason
+    clear = decide_after(1.8)  # drafting at ~140 ms per token: plain 31 % better
+    assert clear.draft_lengths["economy"] == 0 and "probing plain steps" in clear.reason, clear.reason

@@ -441,11 +441,12 @@ class BatchingLoop:
             c.prefill_time_s += float(getattr(stats, "prefill_time_s", 0.0))
             c.catch_up_time_s += float(getattr(stats, "catch_up_time_s", 0.0))
             c.prefill_tokens += int(getattr(stats, "prefill_tokens", 0))
-            k_max = int(getattr(stats, "draft_length", 0))
+            # The step's kind from its rows: both engines' rows carry their k (vLLM's step object has no
+            # draft_length, and its k is engine-wide).
+            k_max = max((int(getattr(row, "draft_length", 0)) for row in stats.rows), default=0)
             if k_max > 0:
                 # The rows row_iterations counts (a row with no token and no draft took no part in it).
-                ks = [int(getattr(row, "draft_length", k_max)) for row in stats.rows
-                      if row.new_token_ids or row.drafted]
+                ks = [int(getattr(row, "draft_length", 0)) for row in stats.rows if row.new_token_ids or row.drafted]
                 c.speculative_steps += 1
                 c.speculative_step_s += (now - t0 - float(getattr(stats, "prefill_time_s", 0.0))
                                          - float(getattr(stats, "catch_up_time_s", 0.0)))

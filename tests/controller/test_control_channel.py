@@ -298,3 +298,45 @@ def test_a_hung_step_makes_the_engine_unhealthy() -> None:
     finally:
         engine.release_step.set()
         loop.stop()
+
+
+class _ScriptedVLLMEngine(_StepFails):
+    """vLLM's step shape (``fsd_vllm.engine.VLLMStep``: no step-level draft_length, each row at the engine-wide
+    k): every request emits one token per step and finishes after three."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.steps: dict[str, int] = {}
+
+    def release(self, request_id: str) -> Any:
+        self.pending.discard(request_id)
+        return type("Released", (), {"text": ""})()
+
+    def step(self) -> Any:
+        from fsd_vllm.engine import VLLMRow, VLLMStep
+
+        rows = []
+        for rid in sorted(self.pending):
+            n = self.steps[rid] = self.steps.get(rid, 0) + 1
+            rows.append(VLLMRow(request_id=rid, new_token_ids=(7,), drafted=self.k, accepted=0, fuzzy_accepted=0,
+                                distortion=0.0, threshold=0.0, draft_length=self.k, finished=n >= 3,
+                                finish_reason="length" if n >= 3 else None))
+        return VLLMStep(rows=tuple(rows))
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_steps_are_counted_by_kind_from_their_rows_for_the_vllm_step_shape(k: int) -> None:
+    """The step-kind counters (policies.telemetry.StepTotals) read the kind off the rows: a vLLM step drafting at
+    k = 3 counts as speculative (it has no step-level draft_length), at k = 0 as plain."""
+    loop = BatchingLoop(_ScriptedVLLMEngine(k), {"standard": 0.0})
+    try:
+        q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        loop.submit("r", [1, 2], None, "standard", None, q.put)
+        assert _wait_finished(q).error is None
+        c = loop.counters()
+    finally:
+        loop.stop()
+    assert c.iterations == 3
+    assert c.speculative_steps == (3 if k else 0)
+    assert (c.speculative_rows, c.speculative_draft_forwards, c.speculative_verify_tokens) == ((3, 9, 9) if k else (0, 0, 0))

@@ -318,14 +318,11 @@ def _anchored_z(ratios_now: Sequence[float], spreads: Sequence[float], measured:
     """The ``z`` at which ``Π Φ(z − ln r / σ)`` over a tier's latency ratios in force equals its measured
     attainment (clipped to [0.02, 0.98]): bisection, the product rising in ``z``."""
     target = min(max(measured, 0.02), 0.98)
-    logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
+    logs = np.log(np.maximum(np.asarray(ratios_now, dtype=float), 1e-9)) / np.asarray(spreads, dtype=float)
     lo, hi = -40.0, 40.0
     for _ in range(40):
         mid = 0.5 * (lo + hi)
-        p = 1.0
-        for x in logs:
-            p *= 1.0 / (1.0 + math.exp(-1.702 * min(max(mid - x, -30.0), 30.0)))
-        lo, hi = (mid, hi) if p < target else (lo, mid)
+        lo, hi = (mid, hi) if float(np.prod(_normal_cdf(mid - logs))) < target else (lo, mid)
     return 0.5 * (lo + hi)
 
 
@@ -656,7 +653,7 @@ class ModelPredictivePolicy:
         c = self.model.cost
         if plain is not None and plain.steps > 0 and plain.rows > 0:
             batch = plain.mean_rows
-            plain_fixed, plain_per_row = self.model.cost.plain_line(np.array([batch]))
+            plain_fixed, plain_per_row = c.plain_line(np.array([batch]))
             self.plain_step.observe(plain.mean_ms, float(plain_fixed[0]), float(plain_per_row[0]), batch)
             self._kind_seen[True] = self._ticks
         if speculative is not None and speculative.steps > 0 and speculative.rows > 0:

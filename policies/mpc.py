@@ -17,8 +17,9 @@ hand.
 * one step over the running batch (tier shares ``s_τ`` of the running rows, measured):
   ``step = c · (fixed(k_max) + B · Σ s_τ · per_row(k_τ, k_max))`` — the draft model runs k_max steps
   over the drafting rows, verify is as wide as each row's k (the simulator's mixed-batch model) —
-  with ``c`` = EWMA of measured / modelled step time, one for plain steps (every active tier at k = 0)
-  and one for speculative steps, each learned from the windows that ran its kind;
+  with ``c`` = measured / modelled step time (fixed and per-row parts apart), one fit for plain steps
+  (every active tier at k = 0) and one per k_max for speculative steps, each learned from the steps
+  that ran it (a k_max never run borrows the nearest one's);
 * the batch ``B`` at the candidate's speed from Little's law on the measured arrival rate λ per
   replica and mean output length L: ``B = λ·L·TPOT(B)`` solved in closed form (step time is linear in
   B), planned at its upper quantile ``B̄ + z·sqrt(B̄)`` (a request lives through the batch's Poisson
@@ -376,6 +377,7 @@ class _Universe:
     base_distortion: np.ndarray  # modelled, before the online correction
     per_row: np.ndarray  # step ms per row of each tier (mixed-batch model at the candidate's k_max)
     fixed: np.ndarray  # [candidates] step ms independent of the batch
+    k_max: np.ndarray  # [candidates] int: the draft steps of the candidate's step (0: a plain step)
     plain: np.ndarray  # [candidates] bool: every active tier at k = 0 (a plain step)
 
 
@@ -572,7 +574,7 @@ class ModelPredictivePolicy:
                            dtype=float)
         universe = _Universe(ks=ks, thresholds=thresholds, tokens_minus_1=tokens - 1.0,
                              tokens_minus_1_by_batch=None if by_batch is None else by_batch - 1.0, ks_plus_1=ks + 1.0,
-                             base_distortion=distortion, per_row=per_row, fixed=fixed, plain=plain)
+                             base_distortion=distortion, per_row=per_row, fixed=fixed, k_max=k_max, plain=plain)
         if len(self._universe_cache) >= 256:  # distinct budget subsets are few; bound it anyway
             self._universe_cache.clear()
         self._universe_cache[key] = universe
@@ -589,8 +591,15 @@ class ModelPredictivePolicy:
         # steps 1.46×), and one correction learned at k = 0 alone would mis-rank every k > 0 candidate.
         # Each corrects the fixed and per-row parts apart (session 13: plain steps at the model's time
         # at one row, 1.6× at seven), so what a light phase teaches carries to a full batch.
+        # Speculative steps are fitted per k_max: a machine's extra time per step (a replica contended by
+        # its load generator and Ray) is a larger share of a k = 2 step than of a k = 6 one, and one fit
+        # over both read the difference as a per-row slope (session 18, contended step load in the
+        # simulator: k = 2 and 4 windows at one row after k = 6 ones at three took the per-row factor to
+        # its 0.25 bound, and the policy entered the burst at T = 0.75 predicted to meet).
         self.plain_step = StepCorrection(decay=self.step_decay)
-        self.draft_step = StepCorrection(decay=self.step_decay)
+        self.draft_steps: dict[int, StepCorrection] = {}
+        self._draft_last: dict[int, int] = {}  # k_max: the tick its fit last took a window
+        self._no_evidence = StepCorrection(decay=self.step_decay)  # the model's step (never observes)
         self._ticks = 0
         self._kind_seen = {True: -math.inf, False: -math.inf}  # plain?: the tick its fit last took a window
         cost = self.model.cost
@@ -655,9 +664,38 @@ class ModelPredictivePolicy:
 
     # ------------------------------------------------------------------ online estimates
 
+    @property
+    def draft_step(self) -> StepCorrection:
+        """The speculative step fit observed last (the model's step before any)."""
+        if not self._draft_last:
+            return self._no_evidence
+        return self.draft_steps[max(self._draft_last, key=lambda k: self._draft_last[k])]
+
+    def _draft_fit(self, k_max: int) -> StepCorrection:
+        """The fit for speculative steps of ``k_max`` draft steps: its own once it has a window, else the
+        nearest k_max's that has (the most recent of two as near), else the model's step."""
+        fit = self.draft_steps.get(k_max)
+        if fit is not None:
+            return fit
+        if not self.draft_steps:
+            return self._no_evidence
+        nearest = min(self.draft_steps, key=lambda k: (abs(k - k_max), -self._draft_last[k]))
+        return self.draft_steps[nearest]
+
+    def _observe_draft(self, k_max: int, measured_ms: float, fixed_ms: float, per_row_ms: float,
+                       batch: float) -> None:
+        fit = self.draft_steps.get(k_max)
+        if fit is None:
+            fit = self.draft_steps[k_max] = StepCorrection(decay=self.step_decay)
+        fit.observe(measured_ms, fixed_ms, per_row_ms, batch)
+        self._draft_last[k_max] = self._ticks
+        self._kind_seen[False] = self._ticks
+
     def _observe_steps(self, plain: StepTotals | None, speculative: StepTotals | None) -> None:
         """Correct the step model from steps reported by kind, each against the model of what it held:
-        exact whatever the mix across replicas, and a step that outlasts windows is still its own kind."""
+        exact whatever the mix across replicas, and a step that outlasts windows is still its own kind.
+        Speculative steps teach the fit of their mean k_max (a window that mixes two, after a change,
+        teaches the one nearest its mean)."""
         c = self.model.cost
         if plain is not None and plain.steps > 0 and plain.rows > 0:
             batch = plain.mean_rows
@@ -669,8 +707,8 @@ class ModelPredictivePolicy:
             fixed = (n * c.verify_fixed_ms + speculative.draft_forwards * c.draft_fixed_ms) / n
             per_row = (rows * c.verify_per_seq_ms + speculative.verify_tokens * c.verify_per_token_ms
                        + speculative.drafted_row_forwards * c.draft_per_seq_ms) / rows
-            self.draft_step.observe(speculative.mean_ms, fixed, per_row, speculative.mean_rows)
-            self._kind_seen[False] = self._ticks
+            k_max = max(1, round(speculative.draft_forwards / n))
+            self._observe_draft(k_max, speculative.mean_ms, fixed, per_row, speculative.mean_rows)
 
     def _observe(self, telemetry: Telemetry) -> None:
         a = self.alpha
@@ -727,10 +765,13 @@ class ModelPredictivePolicy:
             near = telemetry.mean_batch_size  # the plain step's segment the window ran in
             fixed_ms = float(self._step_ms(ks_now, shares, 0.0, near)[0])
             per_row_ms = float(self._step_ms(ks_now, shares, 1.0, near)[0]) - fixed_ms
-            plain = int(np.where(shares > 0, ks_now[0], 0).max()) == 0
-            fit = self.plain_step if plain else self.draft_step
-            fit.observe(telemetry.mean_iteration_ms, fixed_ms, per_row_ms, telemetry.mean_batch_size)
-            self._kind_seen[plain] = self._ticks
+            k_max = int(np.where(shares > 0, ks_now[0], 0).max())
+            if k_max == 0:
+                self.plain_step.observe(telemetry.mean_iteration_ms, fixed_ms, per_row_ms, telemetry.mean_batch_size)
+                self._kind_seen[True] = self._ticks
+            else:
+                self._observe_draft(k_max, telemetry.mean_iteration_ms, fixed_ms, per_row_ms,
+                                    telemetry.mean_batch_size)
         for i, name in enumerate(self.tier_names):
             window = telemetry.tiers.get(name)
             if window is None:
@@ -799,17 +840,24 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
-    def _step_correction(self, plain: np.ndarray, probe: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """[candidates] the corrections of the fixed and of the per-row step time of each candidate's kind
-        of step (plain or speculative). ``probe`` (the kind in force, plain or not; see
-        :meth:`_probing`): the other kind is taken at the lower of its own factors and the kind in force's."""
-        fixed = {True: self.plain_step.fixed, False: self.draft_step.fixed}
-        per_row = {True: self.plain_step.per_row, False: self.draft_step.per_row}
+    def _step_correction(self, k_max: np.ndarray, probe: bool | None = None,
+                         k_now: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """[candidates] the corrections of the fixed and of the per-row step time of each candidate's step,
+        by its ``k_max`` (0: plain; see :meth:`_draft_fit`). ``probe`` (the kind in force, plain or not;
+        see :meth:`_probing`) with ``k_now`` (the k_max in force): the other kind is taken at the lower of
+        its own factors and those of the step in force."""
+        fits = {int(k): self.plain_step if k == 0 else self._draft_fit(int(k)) for k in np.unique(k_max)}
+        factors = {k: (fit.fixed, fit.per_row) for k, fit in fits.items()}
         if probe is not None:
-            other = not probe
-            fixed[other] = min(fixed[other], fixed[probe])
-            per_row[other] = min(per_row[other], per_row[probe])
-        return np.where(plain, fixed[True], fixed[False]), np.where(plain, per_row[True], per_row[False])
+            now = self.plain_step if probe else self._draft_fit(max(k_now, 1))
+            factors = {k: (min(a, now.fixed), min(b, now.per_row)) if (k == 0) != probe else (a, b)
+                       for k, (a, b) in factors.items()}
+        if len(factors) == 1:
+            (a, b), = factors.values()
+            return np.full(k_max.shape, a), np.full(k_max.shape, b)
+        keys = np.array(sorted(factors))
+        at = np.searchsorted(keys, k_max)
+        return (np.array([factors[k][0] for k in keys])[at], np.array([factors[k][1] for k in keys])[at])
 
     def _probing(self, active: np.ndarray) -> bool | None:
         """Optimism where evidence is missing and the SLO is being missed: while a tier with traffic is
@@ -1001,7 +1049,8 @@ class ModelPredictivePolicy:
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
         probe = self._probing(active)
-        fixed_correction, per_row_correction = self._step_correction(u.plain, probe=probe)
+        k_now = int(np.where(active, self._ks_now(), 0).max())
+        fixed_correction, per_row_correction = self._step_correction(u.k_max, probe=probe, k_now=k_now)
         plain_table = bool(self.model.cost.plain_ms_by_batch)
 
         def corrected_line(near: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1170,7 +1219,8 @@ class ModelPredictivePolicy:
         reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
                   f"queue {queue:.2g}/replica{scaling}{probing}, step correction (fixed, per row) plain "
                   f"{self.plain_step.fixed:.2f}, {self.plain_step.per_row:.2f} / speculative "
-                  f"{self.draft_step.fixed:.2f}, {self.draft_step.per_row:.2f}; " + "; ".join(parts))
+                  + (" ".join(f"k{k} {fit.fixed:.2f}, {fit.per_row:.2f}" for k, fit in sorted(self.draft_steps.items()))
+                     or "1.00, 1.00") + "; " + "; ".join(parts))
         self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, replicas=wanted, reason=reason)
         return self.last_decision
 
@@ -1184,7 +1234,7 @@ class ModelPredictivePolicy:
         sees the queue and the measured shortfall). ``tokens`` are :meth:`decide`'s, at the batch it
         planned for the load now (a batch-dependent model is not re-read at each count)."""
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
-        fixed_correction, per_row_correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1) == 0)
+        fixed_correction, per_row_correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1))
         mean_tokens = (tokens * shares).sum(axis=1)
         x = lam * length / (1000.0 * mean_tokens)
         near = np.ones(ks.shape[0])  # the plain step's segment: at one row, then at the batch planned

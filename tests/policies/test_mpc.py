@@ -514,7 +514,7 @@ def test_plain_and_speculative_steps_are_corrected_apart() -> None:
     assert (policy.plain_step.fixed, policy.plain_step.per_row) == pytest.approx((2.0, 2.0), rel=0.05)
     assert (policy.draft_step.fixed, policy.draft_step.per_row) == (1.0, 1.0)
     # The step a k = 2 candidate is predicted to take is the model's, a plain one twice the model's.
-    fixed_correction, per_row_correction = policy._step_correction(np.array([True, False]))
+    fixed_correction, per_row_correction = policy._step_correction(np.array([0, 2]))
     assert fixed_correction == pytest.approx([2.0, 1.0], rel=0.05)
     assert per_row_correction == pytest.approx([2.0, 1.0], rel=0.05)
     spec_ms = float(policy._step_ms(np.array([[0, 2, 2]]), np.array([0.0, 0.5, 0.5]), 4.0)[0])
@@ -558,7 +558,7 @@ def test_a_step_correction_learned_at_small_batches_carries_to_a_full_batch() ->
         tiers = {**window("standard", k=0), **window("economy", k=0)}
         policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(tick), mean_batch_size=batch,
                            mean_iteration_ms=0.8 * fixed + 3.0 * per_row * batch))
-    fixed_correction, per_row_correction = policy._step_correction(np.array([True]))
+    fixed_correction, per_row_correction = policy._step_correction(np.array([0]))
     predicted_at_8 = float(fixed_correction[0]) * fixed + float(per_row_correction[0]) * per_row * 8
     truth_at_8 = 0.8 * fixed + 3.0 * per_row * 8
     assert predicted_at_8 == pytest.approx(truth_at_8, rel=0.10)
@@ -674,7 +674,7 @@ def test_a_plain_step_learned_at_one_row_predicts_three_rows_with_the_table() ->
         shares = np.array([0.0, 0.5, 0.5])
         fixed = float(policy._step_ms(np.array([[0, 0, 0]]), shares, 0.0, near=3.0)[0])
         per_row = float(policy._step_ms(np.array([[0, 0, 0]]), shares, 1.0, near=3.0)[0]) - fixed
-        f, p = policy._step_correction(np.array([True]))
+        f, p = policy._step_correction(np.array([0]))
         return float(f[0]) * fixed + float(p[0]) * per_row * 3.0
 
     line = _concave_model()
@@ -787,3 +787,39 @@ def test_a_probe_of_plain_steps_keeps_the_switch_margin() -> None:
     assert near_tie.draft_lengths["economy"] == 4, near_tie.reason
     clear = decide_after(1.8)  # drafting at ~140 ms per token: plain 31 % better
     assert clear.draft_lengths["economy"] == 0 and "probing plain steps" in clear.reason, clear.reason
+
+
+def test_speculative_steps_are_corrected_per_draft_length() -> None:
+    """A machine whose draft runs slower than calibrated: k = 4 steps at 1.5x the model (three rows), k = 2 steps at
+    the model (one row). One fit over both read the k = 2 windows' lower ratio, at a smaller per-row share, as a
+    per-row slope (fixed 0.5, per row 2.1): at eight rows it predicted k = 2 steps 1.75x and k = 4 ones 1.2x what they
+    take. Fitted per k_max, each predicts its own steps at every batch; a k_max never run borrows the nearest one's."""
+    policy = ModelPredictivePolicy(make_slo(), toy_model())
+    shares = np.array([0.0, 0.0, 1.0])
+    ratio = {4: 1.5, 2: 1.0}
+
+    def parts(k: int) -> tuple[float, float]:
+        fixed = float(policy._step_ms(np.array([[0, 0, k]]), shares, 0.0)[0])
+        return fixed, float(policy._step_ms(np.array([[0, 0, k]]), shares, 1.0)[0]) - fixed
+
+    def tick(t: int, k: int, rows: int) -> None:
+        fixed, per_row = parts(k)
+        ms = ratio[k] * (fixed + per_row * rows)
+        policy.decide(load(rows, arrivals=0, time_s=float(t), tiers=window("economy", k=k, threshold=4.0),
+                           speculative_steps=StepTotals(steps=5, ms=5 * ms, rows=5 * rows, draft_forwards=5 * k,
+                                                        verify_tokens=5 * k * rows, drafted_row_forwards=5 * k * rows)))
+
+    for t in range(1, 11):
+        tick(t, 4, 3)
+    for t in range(11, 16):
+        tick(t, 2, 1)
+    for k in (2, 4):
+        fixed, per_row = parts(k)
+        fixed_correction, per_row_correction = policy._step_correction(np.array([k]))
+        predicted = float(fixed_correction[0]) * fixed + float(per_row_correction[0]) * per_row * 8
+        assert predicted == pytest.approx(ratio[k] * (fixed + per_row * 8), rel=0.02), k
+    assert sorted(policy.draft_steps) == [2, 4]
+    assert policy._draft_fit(3) is policy.draft_steps[2]  # as near as 4, and measured more recently
+    assert policy._draft_fit(6) is policy.draft_steps[4]
+    assert policy._step_correction(np.array([0, 2, 4]))[0] == pytest.approx([1.0, 1.0, 1.5], rel=0.02)
+

@@ -876,7 +876,10 @@ class ModelPredictivePolicy:
         ranked without ``switch_margin`` and the draft's catch-up (a switch to k > 0) is charged to the rows
         running now over them and the requests of the next ``probe_after`` windows, not to every request
         (session 14: with 48-token requests the catch-up over four rows' backlog, charged to every token of
-        theirs, added 73 ms per token and kept plain decoding ahead of the probe)."""
+        theirs, added 73 ms per token and kept plain decoding ahead of the probe). No probe while nothing
+        runs (:meth:`decide`): it would measure nothing, and the kind it switched to, in force then, is
+        not the one probed, so the next window switched back (session 18, the contended step load's idle
+        tail: the kind flipped every window)."""
         if not self.current:
             return None
         if not any(self.short[name] for i, name in enumerate(self.tier_names) if active[i]):
@@ -1048,7 +1051,7 @@ class ModelPredictivePolicy:
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
-        probe = self._probing(active)
+        probe = self._probing(active) if telemetry.in_flight > 0 else None
         k_now = int(np.where(active, self._ks_now(), 0).max())
         fixed_correction, per_row_correction = self._step_correction(u.k_max, probe=probe, k_now=k_now)
         plain_table = bool(self.model.cost.plain_ms_by_batch)

@@ -823,3 +823,23 @@ def test_speculative_steps_are_corrected_per_draft_length() -> None:
     assert policy._draft_fit(6) is policy.draft_steps[4]
     assert policy._step_correction(np.array([0, 2, 4]))[0] == pytest.approx([1.0, 1.0, 1.5], rel=0.02)
 
+
+def test_no_probe_while_nothing_runs() -> None:
+    """Speculative steps measured slow, plain ones never run, the tier short: with rows running the policy probes
+    plain steps; with none it does not (a probe would measure nothing, and from plain decoding, then in force and
+    not the kind probed, the next window went back: session 18, the kind flipped every idle window)."""
+    slo = make_slo(economy={"tpot_ms": 5.0})
+    policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
+    for tick in range(1, 16):
+        policy.current = {name: (4.0, 4) for name in policy.tier_names}
+        ms = 1.8 * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 6.0)[0])
+        busy = policy.decide(load(6, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=6.0,
+                                  tiers=window("economy", k=4, threshold=4.0, slo_met=0)))
+    assert busy.draft_lengths["economy"] == 0 and "probing plain steps" in busy.reason
+    policy.current = {name: (4.0, 4) for name in policy.tier_names}
+    kinds = []
+    for tick in range(16, 22):
+        idle = policy.decide(load(0, arrivals=0, time_s=float(tick), tiers={}))
+        assert "probing" not in idle.reason
+        kinds.append(idle.draft_lengths["economy"])
+    assert len(set(kinds)) == 1, kinds

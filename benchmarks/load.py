@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sse_client import timed_stream  # noqa: E402
+from benchmarks.stats import ci95  # noqa: E402
 from policies.slo import TierOutcome, TierSLO, meets_objective, within_budget  # noqa: E402
 from sim.prompts import PROMPTS  # noqa: E402  (one prompt set for the demo and the load test)
 
@@ -254,6 +255,23 @@ def criterion(configs: list[dict[str, Any]], tier: dict[str, Any]) -> dict[str, 
     return out
 
 
+def paired_rounds(by_round: list[dict[str, Any]], reference: str, adaptive: list[str]) -> dict[str, dict[str, Any]]:
+    """Each adaptive configuration's attainment minus the reference's, round by round: the mean and a 95 %
+    t-interval over the rounds both ran. Why: the host's speed moves within a run (session 18: one static
+    point's two rounds at 0.39 and 0.74), so the pooled figures alone cannot say whether a difference of a
+    few points is the policy or the hour; rounds run back to back pair the two under similar speed."""
+    att = {(c["name"], c["round"]): c.get("slo_attainment") for c in by_round}
+    out: dict[str, dict[str, Any]] = {}
+    for name in adaptive:
+        diffs = [float(a - att[(reference, r)]) for (n, r), a in sorted(att.items(), key=lambda kv: kv[0][1])
+                 if n == name and a is not None and att.get((reference, r)) is not None]
+        if not diffs:
+            continue
+        mean, half = ci95(diffs)
+        out[name] = {"reference": reference, "rounds": len(diffs), "per_round": diffs, "mean": mean, "ci95": half}
+    return out
+
+
 def rolling_p95(records: list[dict[str, Any]], metric: str, window_s: float, end_s: float) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     pts = sorted((r["arrival_s"] + r["e2e_ms"] / 1e3, r[metric]) for r in records
@@ -412,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1:
         report["configs_by_round"] = [{"round": r["round"], **summarise(r, tpot_target, duration)} for r in runs]
     report["criterion"] = criterion(report["configs"], slo["tiers"][args.tier])
+    crit = report["criterion"]
+    if args.rounds > 1 and crit is not None and crit.get("reference"):
+        crit["paired_by_round"] = paired_rounds(report["configs_by_round"], crit["reference"]["name"],
+                                                list(crit["held"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

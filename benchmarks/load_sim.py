@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import criterion  # noqa: E402
-from benchmarks.policy_compare import ci95  # noqa: E402
+from benchmarks.stats import ci95  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
 from sim.profile import DEFAULT_PROFILE_PATH, Profile  # noqa: E402

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -60,6 +59,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stats import ci95  # noqa: E402
 from policies.slo import SLOSpec, TierSLO  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
 from sim.profile import DEFAULT_PROFILE_PATH, HANDMADE_2THREADS_PROFILE_PATH, Profile  # noqa: E402
@@ -233,15 +233,6 @@ def run_one(case: Case, seed: int, label: str, spec: str) -> dict[str, Any]:
                   for n, t in s["tiers"].items()},
         "requests": s["requests"], "wall_s": round(time.perf_counter() - t0, 2),
     }
-
-
-def ci95(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of a 95 % t-interval (0 for one value)."""
-    arr = np.asarray(values, dtype=float)
-    if arr.size < 2:
-        return float(arr.mean()), 0.0
-    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}.get(arr.size, 2.0)
-    return float(arr.mean()), float(t * arr.std(ddof=1) / math.sqrt(arr.size))
 
 
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -846,18 +846,17 @@ class ModelPredictivePolicy:
         by its ``k_max`` (0: plain; see :meth:`_draft_fit`). ``probe`` (the kind in force, plain or not;
         see :meth:`_probing`) with ``k_now`` (the k_max in force): the other kind is taken at the lower of
         its own factors and those of the step in force."""
-        fits = {int(k): self.plain_step if k == 0 else self._draft_fit(int(k)) for k in np.unique(k_max)}
-        factors = {k: (fit.fixed, fit.per_row) for k, fit in fits.items()}
-        if probe is not None:
-            now = self.plain_step if probe else self._draft_fit(max(k_now, 1))
-            factors = {k: (min(a, now.fixed), min(b, now.per_row)) if (k == 0) != probe else (a, b)
-                       for k, (a, b) in factors.items()}
-        if len(factors) == 1:
-            (a, b), = factors.values()
-            return np.full(k_max.shape, a), np.full(k_max.shape, b)
-        keys = np.array(sorted(factors))
+        keys = np.unique(k_max)  # sorted
+        fixed, per_row = np.empty(keys.size), np.empty(keys.size)
+        now = None if probe is None else self.plain_step if probe else self._draft_fit(max(k_now, 1))
+        for j, k in enumerate(keys.tolist()):
+            fit = self.plain_step if k == 0 else self._draft_fit(k)
+            a, b = fit.fixed, fit.per_row
+            if now is not None and (k == 0) != probe:  # the kind not in force, while probing
+                a, b = min(a, now.fixed), min(b, now.per_row)
+            fixed[j], per_row[j] = a, b
         at = np.searchsorted(keys, k_max)
-        return (np.array([factors[k][0] for k in keys])[at], np.array([factors[k][1] for k in keys])[at])
+        return fixed[at], per_row[at]
 
     def _probing(self, active: np.ndarray) -> bool | None:
         """Optimism where evidence is missing and the SLO is being missed: while a tier with traffic is

@@ -601,7 +601,7 @@ class ModelPredictivePolicy:
         self._draft_last: dict[int, int] = {}  # k_max: the tick its fit last took a window
         self._no_evidence = StepCorrection(decay=self.step_decay)  # the model's step (never observes)
         self._ticks = 0
-        self._kind_seen = {True: -math.inf, False: -math.inf}  # plain?: the tick its fit last took a window
+        self._plain_last = -math.inf  # the tick the plain-step fit last took a window
         cost = self.model.cost
         # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
         self.prefill_ms = {
@@ -664,12 +664,9 @@ class ModelPredictivePolicy:
 
     # ------------------------------------------------------------------ online estimates
 
-    @property
-    def draft_step(self) -> StepCorrection:
-        """The speculative step fit observed last (the model's step before any)."""
-        if not self._draft_last:
-            return self._no_evidence
-        return self.draft_steps[max(self._draft_last, key=lambda k: self._draft_last[k])]
+    def _last_seen(self, plain: bool) -> float:
+        """The tick a fit of that kind of step last took a window (-inf: never)."""
+        return self._plain_last if plain else max(self._draft_last.values(), default=-math.inf)
 
     def _draft_fit(self, k_max: int) -> StepCorrection:
         """The fit for speculative steps of ``k_max`` draft steps: its own once it has a window, else the
@@ -689,7 +686,6 @@ class ModelPredictivePolicy:
             fit = self.draft_steps[k_max] = StepCorrection(decay=self.step_decay)
         fit.observe(measured_ms, fixed_ms, per_row_ms, batch)
         self._draft_last[k_max] = self._ticks
-        self._kind_seen[False] = self._ticks
 
     def _observe_steps(self, plain: StepTotals | None, speculative: StepTotals | None) -> None:
         """Correct the step model from steps reported by kind, each against the model of what it held:
@@ -701,7 +697,7 @@ class ModelPredictivePolicy:
             batch = plain.mean_rows
             plain_fixed, plain_per_row = c.plain_line(np.array([batch]))
             self.plain_step.observe(plain.mean_ms, float(plain_fixed[0]), float(plain_per_row[0]), batch)
-            self._kind_seen[True] = self._ticks
+            self._plain_last = self._ticks
         if speculative is not None and speculative.steps > 0 and speculative.rows > 0:
             n, rows = speculative.steps, speculative.rows
             fixed = (n * c.verify_fixed_ms + speculative.draft_forwards * c.draft_fixed_ms) / n
@@ -768,7 +764,7 @@ class ModelPredictivePolicy:
             k_max = int(np.where(shares > 0, ks_now[0], 0).max())
             if k_max == 0:
                 self.plain_step.observe(telemetry.mean_iteration_ms, fixed_ms, per_row_ms, telemetry.mean_batch_size)
-                self._kind_seen[True] = self._ticks
+                self._plain_last = self._ticks
             else:
                 self._observe_draft(k_max, telemetry.mean_iteration_ms, fixed_ms, per_row_ms,
                                     telemetry.mean_batch_size)
@@ -858,7 +854,7 @@ class ModelPredictivePolicy:
         at = np.searchsorted(keys, k_max)
         return fixed[at], per_row[at]
 
-    def _probing(self, active: np.ndarray) -> bool | None:
+    def _probing(self, active: np.ndarray, in_flight: int) -> bool | None:
         """Optimism where evidence is missing and the SLO is being missed: while a tier with traffic is
         measured short and the kind of step not in force has taught its fit nothing for ``probe_after``
         windows (or never), that kind is predicted at the lower of its own and the kind in force's step
@@ -876,15 +872,15 @@ class ModelPredictivePolicy:
         running now over them and the requests of the next ``probe_after`` windows, not to every request
         (session 14: with 48-token requests the catch-up over four rows' backlog, charged to every token of
         theirs, added 73 ms per token and kept plain decoding ahead of the probe). No probe while nothing
-        runs (:meth:`decide`): it would measure nothing, and the kind it switched to, in force then, is
+        runs (``in_flight`` 0): it would measure nothing, and the kind it switched to, in force then, is
         not the one probed, so the next window switched back (session 18, the contended step load's idle
         tail: the kind flipped every window)."""
-        if not self.current:
+        if not self.current or in_flight <= 0:
             return None
         if not any(self.short[name] for i, name in enumerate(self.tier_names) if active[i]):
             return None
         plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
-        if self._ticks - self._kind_seen[not plain_now] < self.probe_after:
+        if self._ticks - self._last_seen(not plain_now) < self.probe_after:
             return None
         return plain_now
 
@@ -1050,7 +1046,7 @@ class ModelPredictivePolicy:
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
-        probe = self._probing(active) if telemetry.in_flight > 0 else None
+        probe = self._probing(active, telemetry.in_flight)
         k_now = int(np.where(active, self._ks_now(), 0).max())
         fixed_correction, per_row_correction = self._step_correction(u.k_max, probe=probe, k_now=k_now)
         plain_table = bool(self.model.cost.plain_ms_by_batch)

@@ -512,7 +512,7 @@ def test_plain_and_speculative_steps_are_corrected_apart() -> None:
         policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(tick), mean_iteration_ms=2 * plain_ms,
                            mean_batch_size=4.0))
     assert (policy.plain_step.fixed, policy.plain_step.per_row) == pytest.approx((2.0, 2.0), rel=0.05)
-    assert (policy.draft_step.fixed, policy.draft_step.per_row) == (1.0, 1.0)
+    assert policy.draft_steps == {} and (policy._draft_fit(2).fixed, policy._draft_fit(2).per_row) == (1.0, 1.0)
     # The step a k = 2 candidate is predicted to take is the model's, a plain one twice the model's.
     fixed_correction, per_row_correction = policy._step_correction(np.array([0, 2]))
     assert fixed_correction == pytest.approx([2.0, 1.0], rel=0.05)
@@ -521,7 +521,7 @@ def test_plain_and_speculative_steps_are_corrected_apart() -> None:
     for tick in range(11, 21):
         policy.current = {n: (0.0, 2) for n in policy.tier_names}
         policy.decide(load(4, arrivals=0, time_s=float(tick), mean_iteration_ms=0.8 * spec_ms, mean_batch_size=4.0))
-    assert policy.draft_step.at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.05)
+    assert policy.draft_steps[2].at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.05)
     assert policy.plain_step.at(1.0, 1.0, 1.0) == pytest.approx(2.0, rel=0.05)
 
 
@@ -592,7 +592,7 @@ def test_a_tier_missing_its_target_probes_the_kind_of_step_it_has_no_recent_evid
     assert (decision.thresholds["economy"], decision.draft_lengths["economy"]) == (4.0, 4)
     assert "probing speculative steps" in decision.reason
     decision = ticks(policy, 16, 10, 4, 3.0)  # the probe: speculative steps 3x the model
-    assert policy.draft_step.at(1.0, 1.0, 1.0) > 2.0
+    assert policy.draft_steps[4].at(1.0, 1.0, 1.0) > 2.0
     decision = ticks(policy, 26, 20, 0, 0.6)  # back at plain decoding, the evidence recent
     assert decision.draft_lengths["economy"] == 0 and "probing" not in decision.reason
     decision = ticks(policy, 46, 20, 0, 0.6)  # 30 windows after the last speculative one: probe again
@@ -717,8 +717,8 @@ def test_steps_reported_by_kind_correct_each_kind_at_its_own_composition() -> No
                            speculative_steps=StepTotals(steps=2, ms=2 * 0.8 * spec_ms, rows=10, draft_forwards=8,
                                                         verify_tokens=16, drafted_row_forwards=16)))
     assert policy.plain_step.at(c.plain_fixed_ms, c.plain_per_seq_ms, 3.0) == pytest.approx(2.0, rel=0.02)
-    assert policy.draft_step.at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.02)
-    assert policy.draft_step.windows == 20
+    assert policy.draft_steps[4].at(1.0, 1.0, 1.0) == pytest.approx(0.8, rel=0.02)
+    assert policy.draft_steps[4].windows == 20
 
 
 def test_best_effort_trades_attainment_not_tiers() -> None:

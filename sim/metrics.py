@@ -28,21 +28,26 @@ from policies.slo import SLOSpec, TierOutcome, meets_objective, within_budget
 from policies.telemetry import LatencySummary, TierWindow
 from sim.entities import RequestTable
 
-_QUANTILES = np.array([50.0, 90.0, 95.0, 99.0]) / 100.0
+_QUANTILES = [50.0 / 100.0, 90.0 / 100.0, 95.0 / 100.0, 99.0 / 100.0]
 
 
 def fast_summary(samples_ms: np.ndarray) -> LatencySummary:
     """Same numbers as ``LatencySummary.from_samples`` (numpy's 'linear' percentiles), ~20x cheaper:
-    one sort and an interpolation, which matters at one summary per tier per metric per tick."""
+    one sort and an interpolation, which matters at one summary per tier per metric per tick. The
+    interpolation is in Python floats (a few dozen samples: cheaper than numpy calls), the same IEEE
+    operations numpy's elementwise ones are."""
     n = samples_ms.size
     if n == 0:
         return LatencySummary()
-    s = np.sort(samples_ms)
-    pos = _QUANTILES * (n - 1)
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, n - 1)
-    v = s[lo] + (s[hi] - s[lo]) * (pos - lo)
-    return LatencySummary(int(n), float(v[0]), float(v[1]), float(v[2]), float(v[3]))
+    s = np.sort(samples_ms).tolist()
+    last = n - 1
+    v = []
+    for q in _QUANTILES:
+        pos = q * last
+        lo = math.floor(pos)
+        hi = min(lo + 1, last)
+        v.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+    return LatencySummary(int(n), v[0], v[1], v[2], v[3])
 
 
 def latencies_ms(table: RequestTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -39,6 +39,7 @@ Iteration model (per replica, batch of B sequences, draft length k):
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -88,22 +89,36 @@ class DecodeSettings:
     # event_size_by_tier[τ] with probability event_p_by_tier[τ], so short windows see the real noise.
     event_p_by_tier: np.ndarray | None = None  # [n_tiers]
     event_size_by_tier: np.ndarray | None = None  # [n_tiers]
+    # survival_by_tier's breakpoints and per-tier token counts at them (survival_grid(survival_by_tier)).
+    survival_grid: np.ndarray | None = None  # [G]
+    grid_tokens_by_tier: np.ndarray | None = None  # [n_tiers, G + 1] int
     # What the tables above were built from ((T, k) per tier): with the batch composition it keys
     # batch_cache, so an entry outlives a decision and serves again when the policy returns there.
     state_key: tuple[tuple[float, int], ...] = ()
-    # Per (batch composition (the tiers of its rows, in order), state_key): the rows' slices of the
+    # Per state_key, per batch composition (the tiers of its rows, in order): the rows' slices of the
     # tables above. Derived data only (speed).
-    batch_cache: dict[tuple[tuple[int, ...], tuple[tuple[float, int], ...]], _BatchTables] = field(
+    batch_cache: dict[tuple[tuple[float, int], ...], dict[tuple[int, ...], _BatchTables]] = field(
         default_factory=dict)
+    # batch_cache[state_key] for the state_key object it was looked up for (a decision sets a new one):
+    # the per-segment lookup then hashes the composition only.
+    _state_tables: dict[tuple[int, ...], _BatchTables] = field(default_factory=dict, init=False, repr=False)
+    _state_tables_key: tuple[tuple[float, int], ...] | None = field(default=None, init=False, repr=False)
+    _cached_tables: int = field(default=0, init=False, repr=False)
 
-    def batch_tables(self, tier_list: list[int], tiers: np.ndarray) -> _BatchTables:
-        key = (tuple(tier_list), self.state_key)
-        found = self.batch_cache.get(key)
+    def batch_tables(self, tier_list: list[int]) -> _BatchTables:
+        if self._state_tables_key is not self.state_key:
+            self._state_tables = self.batch_cache.setdefault(self.state_key, {})
+            self._state_tables_key = self.state_key
+        key = tuple(tier_list)
+        found = self._state_tables.get(key)
         if found is None:
-            if len(self.batch_cache) >= _BATCH_CACHE_SIZE:
+            if self._cached_tables >= _BATCH_CACHE_SIZE:
                 self.batch_cache.clear()
-            found = _BatchTables.build(self, tiers)
-            self.batch_cache[key] = found
+                self._cached_tables = 0
+                self._state_tables = self.batch_cache.setdefault(self.state_key, {})
+            found = _BatchTables.build(self, np.array(tier_list, dtype=np.int64))
+            self._state_tables[key] = found
+            self._cached_tables += 1
         return found
 
 
@@ -124,6 +139,12 @@ class _BatchTables:
     event_p: np.ndarray | None  # [B]
     event_size: np.ndarray | None  # [B]
     row_drafts: np.ndarray  # [B] 1.0 where the row drafts (k > 0)
+    # Every row's survival values, sorted and unique (the breakpoints of all rows' counts), and per row
+    # the tokens at each breakpoint interval, flattened [B · (G + 1)]: a uniform u with
+    # g = #{breakpoints <= u} emits grid_tokens[row_offset + g] = 1 + #{i : u < survival[row, i]}.
+    grid: np.ndarray  # [G]
+    grid_tokens: np.ndarray  # [B · (G + 1)] int
+    grid_offsets: np.ndarray  # [B] int, row · (G + 1)
 
     @classmethod
     def build(cls, s: DecodeSettings, tiers: np.ndarray) -> _BatchTables:
@@ -134,11 +155,18 @@ class _BatchTables:
         if s.batch_odds is None:
             survival = s.survival_by_tier.take(tiers, axis=0)
             survival_asc0 = s.survival_asc_by_tier[int(tiers[0])]
+            if s.survival_grid is not None and s.grid_tokens_by_tier is not None:
+                # The tiers' breakpoints serve every batch of them (extra breakpoints change no count).
+                grid, grid_tokens = s.survival_grid, s.grid_tokens_by_tier.take(tiers, axis=0)
+            else:
+                grid, grid_tokens = survival_grid(survival)
         else:
             scale = s.batch_odds[min(int(tiers.size), s.batch_odds.shape[0] - 1)].take(tiers)
             survival = np.multiply.accumulate(shifted_acceptance(accept, scale[:, None]), axis=1)
             survival_asc0 = np.ascontiguousarray(survival[0, ::-1])
             odds_centring = odds_centring * scale
+            grid, grid_tokens = survival_grid(survival)
+        b, g = survival.shape[0], grid.size
         return cls(
             weights=s.tier_weights.take(tiers, axis=0),
             onehot=s.tier_weights[:, _B : _B + n_t].take(tiers, axis=0),
@@ -153,17 +181,32 @@ class _BatchTables:
             distortion_per_token=s.distortion_by_tier.take(tiers),
             event_p=None if s.event_p_by_tier is None else s.event_p_by_tier.take(tiers),
             event_size=None if s.event_size_by_tier is None else s.event_size_by_tier.take(tiers),
+            grid=grid,
+            grid_tokens=grid_tokens.ravel(),
+            grid_offsets=np.arange(b, dtype=np.int64) * (g + 1),
         )
+
+
+def survival_grid(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Breakpoints of survival rows [R, k_pad] and each row's tokens at them: ``(grid [G], tokens
+    [R, G + 1])`` with ``tokens[r, g] = 1 + #{i : u < survival[r, i]}`` for every u with
+    ``g = #{grid <= u}``. Exact (comparisons only): every survival value is a breakpoint, so u < S ⟺
+    S >= the first breakpoint above u."""
+    grid = np.unique(survival)
+    tokens = np.ones((survival.shape[0], grid.size + 1), dtype=np.int64)
+    tokens[:, : grid.size] += (survival[:, :, None] >= grid).sum(axis=1)
+    return grid, tokens
 
 
 @dataclass(slots=True)
 class _Segment:
     ids: np.ndarray  # [B] request ids in the batch (joiners first)
-    remaining: np.ndarray  # [B] tokens each still had to emit when the segment started
-    end_s: np.ndarray  # [L] absolute end time of each iteration
+    id_list: list[int]  # ids as plain ints
+    remaining: list[int]  # [B] tokens each still had to emit when the segment started
+    end_s: list[float]  # [L] absolute end time of each iteration (plain floats: bisected per arrival)
     emitted: np.ndarray  # [L, B] tokens emitted by the end of iteration j (cumulative, clipped)
-    finish_iter: np.ndarray  # [B] iteration at whose end the sequence completes; > L-1 if not in segment
-    active_after: np.ndarray  # [L] sequences still running after iteration j
+    finish_iter: list[int]  # [B] iteration at whose end the sequence completes; > L-1 if not in segment
+    active_after: list[int]  # [L] sequences still running after iteration j
     distortion_per_token: np.ndarray  # [B]
     features: np.ndarray  # [L, F] per-iteration window sums (see WindowBins)
     bins: np.ndarray  # [L] window bin of each iteration
@@ -201,13 +244,16 @@ class Replica:
         self.stopped_s: float | None = None
         self.state = ReplicaState.STARTING if ready_s > started_s else ReplicaState.READY
         self.queue: deque[int] = deque()
-        self.running = np.empty(0, dtype=np.int64)  # ids in the batch as of the last segment end
-        self.remaining = np.empty(0, dtype=np.int64)  # tokens still to emit, aligned with running
+        self.running: list[int] = []  # ids in the batch as of the last segment end
+        self.remaining: list[int] = []  # tokens still to emit, aligned with running
         self.segment: _Segment | None = None
         self.version = 0  # bumps whenever the pending segment-end time changes
         self.iterations = 0  # decode iterations run (for the speed benchmark)
         self.segments_drawn = 0  # segment draws, truncated or not (for the speed benchmark)
         self.horizon_iters = horizon_iters
+        # The latency model is frozen: read its switches once, not per segment.
+        self._draft_prefill = latency.models_draft_prefill
+        self._exponential_times = latency.iteration_time_dist == "exponential"
 
     # ---------------------------------------------------------------- state
 
@@ -215,11 +261,11 @@ class Replica:
         """Requests in flight here at ``now`` (running + queued)."""
         seg = self.segment
         if seg is None:
-            return int(self.running.size) + len(self.queue)
-        j = int(seg.end_s.searchsorted(now, side="right"))
+            return len(self.running) + len(self.queue)
+        j = bisect_right(seg.end_s, now)
         if j == 0:
-            return int(seg.ids.size) + len(self.queue)
-        return int(seg.active_after[min(j, seg.length) - 1]) + len(self.queue)
+            return len(seg.id_list) + len(self.queue)
+        return seg.active_after[min(j, seg.length) - 1] + len(self.queue)
 
     # ---------------------------------------------------------------- segments
 
@@ -229,32 +275,34 @@ class Replica:
         table = self.table
         queue = self.queue
         running = self.running
-        n_run = int(running.size)
+        n_run = len(running)
         n_new = min(len(queue), self.max_batch - n_run)
         if n_new <= 0:
             if n_run == 0:
                 self.segment = None
                 return None
             n_new = 0
-            ids, remaining = running, self.remaining
-            decode_left = remaining.tolist()
+            id_list = running
+            decode_left = self.remaining
             prefill_tokens = 0
         else:
             new = [queue.popleft() for _ in range(n_new)]
-            new_ids = np.array(new, dtype=np.int64)
-            table.start_s[new_ids] = now
             out_list, prompt_list = table.output_list, table.prompt_list
-            new_out = [out_list[i] for i in new]
-            prefill_tokens = sum(prompt_list[i] for i in new)
-            decode_left = new_out
+            decode_left = [out_list[i] for i in new]
+            prefill_tokens = sum([prompt_list[i] for i in new])
             if n_run:
-                ids = np.concatenate((new_ids, running))
-                remaining = np.concatenate((np.array(new_out, dtype=np.int64), self.remaining))
-                decode_left += self.remaining.tolist()
+                id_list = new + running
+                decode_left += self.remaining
             else:
-                ids, remaining = new_ids, np.array(new_out, dtype=np.int64)
+                id_list = new
+        ids = np.array(id_list, dtype=np.int64)
+        remaining = np.array(decode_left, dtype=np.int64)
+        new_ids = ids[:n_new]
+        if n_new:
+            table.start_s[new_ids] = now
         b = n_new + n_run
-        tiers = table.tier.take(ids)
+        tier_of = table.tier_list
+        tier_list = [tier_of[i] for i in id_list]
 
         # Horizon: enough decode iterations for the shortest sequence if someone waits for a slot,
         # otherwise for the longest one; capped (the segment just continues in a fresh draw).
@@ -270,31 +318,31 @@ class Replica:
         n_iter = h + off
         cum = np.empty((n_iter, b), dtype=np.int64)
         dec = cum[off:]
-        tier_list = tiers.tolist()
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
         tier_set = frozenset(tier_list)
-        rows = settings.batch_tables(tier_list, tiers)
+        rows = settings.batch_tables(tier_list)
         odds = table.acceptance_odds
         if odds is None and one_tier:
             np.subtract(k_plus_1, rows.survival_asc0.searchsorted(u, side="right"), out=dec)
+        elif odds is None:
+            # Rows of several tiers: one search in the batch's breakpoints, then each row's count there.
+            g = rows.grid.searchsorted(u, side="right")
+            g += rows.grid_offsets
+            rows.grid_tokens.take(g, out=dec, mode="clip")  # g is in range: clip only skips a buffer
         else:
-            # Each row's own survival S_r (its tier's; with per-request acceptance, the tier's
-            # acceptance shifted by the request's log-odds): tokens = 1 + #{i : u < S_r,i}, the same
-            # count as the search above.
-            if odds is None:
-                survival_rows = rows.survival
-            else:
-                row_odds = odds.take(ids) * rows.odds_centring
-                survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
+            # Each row's own survival S_r (the tier's acceptance shifted by the request's log-odds):
+            # tokens = 1 + #{i : u < S_r,i}, the same count as the searches above.
+            row_odds = odds.take(ids) * rows.odds_centring
+            survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
             np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
         if n_new:
             cum[0] = 0  # the prefill iteration emits nothing
         np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
         alive = cum < remaining  # [L, B] still running after iteration j
         emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
-        finish_iter = alive.sum(axis=0)  # iteration in which each completes (n_iter: not in this draw)
-        active_after = alive.sum(axis=1)  # [L]
+        finish_iter = np.add.reduce(alive, axis=0)  # iteration in which each completes (n_iter: not in this draw)
+        active_after = np.add.reduce(alive, axis=1)  # [L]
 
         # Iteration j runs the sequences active after j − 1 (all b for the first).
         active_before = np.empty(n_iter, dtype=np.int64)
@@ -307,6 +355,7 @@ class Replica:
             alive_before[0] = 1.0
             alive_before[1:] = alive[:-1]
         k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
+        uniform_k = 0  # > 0: every row drafts this k in every iteration (k_max ≡ uniform_k, all speculative)
         if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
             dt_ms = settings.plain_ms_by_rows.take(active_before)
             drafted: np.ndarray = np.zeros(n_iter)
@@ -316,13 +365,12 @@ class Replica:
             dt_ms += fixed_ms
             k = int(rows.row_k[0])
             drafted = active_before * k
-            if k > 0:
-                k_max, drafting_rows = np.full(n_iter, float(k)), active_before
+            uniform_k = k
         else:
             assert alive_before is not None
             # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
             # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
-            k_max = (alive_before * rows.row_k_float).max(axis=1)
+            k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
             drafting_rows = alive_before @ rows.row_drafts
             drafted = alive_before @ rows.row_k_float
             dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
@@ -335,14 +383,14 @@ class Replica:
                     dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
         lag_grows = None
         catch_up_ms = 0.0
-        if self.latency.models_draft_prefill:
+        if self._draft_prefill:
             catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
             dt_ms[off] += catch_up_ms
             if n_new:
                 dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
         elif n_new:
             dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
-        if self.latency.iteration_time_dist == "exponential":
+        if self._exponential_times:
             draws = self.rng.exponential(1.0, size=n_iter)
             dt_ms *= draws
             catch_up_ms *= float(draws[off])
@@ -367,7 +415,13 @@ class Replica:
         features[:, WindowBins.ITER_MS] = dt_ms
         if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
             features[off, WindowBins.ITER_MS] -= catch_up_ms
-        if k_max is not None:  # the speculative steps apart, with what the step model needs of each
+        if uniform_k:  # as below with k_max ≡ k: x · 1.0 and k · rows are the same values
+            features[:, WindowBins.SPEC_ITERS] = 1.0
+            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
+            features[:, WindowBins.SPEC_ROWS] = active_before
+            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
+            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = active_before * float(uniform_k)
+        elif k_max is not None:  # the speculative steps apart, with what the step model needs of each
             speculative = k_max > 0
             features[:, WindowBins.SPEC_ITERS] = speculative
             features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
@@ -393,26 +447,28 @@ class Replica:
         bins = self.bins.bin_of(end_s)
         self.bins.add(bins[:length], features[:length])
 
+        end_list: list[float] = end_s.tolist()
         if n_new:
-            table.first_token_s[new_ids] = end_s[1]  # n_iter >= 2: h >= 1 decode iteration follows
+            table.first_token_s[new_ids] = end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
         # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
-        completions = [(it, rid) for it, rid in zip(finish_iter.tolist(), ids.tolist(), strict=True)
-                       if it < length]
+        finish_list = finish_iter.tolist()
+        completions = [(it, rid) for it, rid in zip(finish_list, id_list, strict=True) if it < length]
         if completions:
             completion_s = table.completion_s
             add = self.bins.add_completion
             for it, rid in completions:
-                completion_s[rid] = end_s[it]
+                completion_s[rid] = end_list[it]
                 add(int(bins[it]), rid)
 
-        self.running, self.remaining = ids, remaining
+        self.running, self.remaining = id_list, decode_left
         self.segment = _Segment(
             ids,
-            remaining,
-            end_s,
+            id_list,
+            decode_left,
+            end_list,
             emitted,
-            finish_iter,
-            active_after,
+            finish_list,
+            active_after.tolist(),
             rows.distortion_per_token,
             features,
             bins,
@@ -425,7 +481,7 @@ class Replica:
         )
         self.version += 1
         self.segments_drawn += 1
-        return float(end_s[length - 1])
+        return end_list[length - 1]
 
     def _draft_backlog(self, ids: np.ndarray, n_new: int, row_k: np.ndarray) -> tuple[float, int, np.ndarray]:
         """The draft's backlog at a segment's start (the first ``n_new`` of ``ids`` join, rows at draft
@@ -465,32 +521,35 @@ class Replica:
         if seg is None:
             return None
         length = seg.length
-        j = int(seg.end_s.searchsorted(now, side="left"))
+        j = bisect_left(seg.end_s, now)
         if seg.n_new:
             j = max(j, 1)  # prefill + first decode iteration are one engine step
         if j >= length:
             return None
-        if need_room and int(seg.active_after[j]) >= self.max_batch:
-            room = seg.active_after[j:length] < self.max_batch
-            r = int(room.argmax())
-            if not room[r]:
+        after = seg.active_after
+        if need_room and after[j] >= self.max_batch:
+            # The first boundary with a free slot, if any before the segment ends.
+            j = next((i for i in range(j + 1, length) if after[i] < self.max_batch), length)
+            if j == length:
                 return None
-            j += r
         if j + 1 == length:
             return None
         self._void_after(seg, j + 1)
         self.version += 1
-        return float(seg.end_s[j])
+        return seg.end_s[j]
 
     def _void_after(self, seg: _Segment, new_length: int) -> None:
         """Take back the iterations [new_length, length) of a drawn segment."""
         old = seg.length
         self.bins.subtract(seg.bins[new_length:old], seg.features[new_length:old])
         if seg.completions:
-            voided = [rid for it, rid in seg.completions if it >= new_length]
-            if voided:
-                self.table.completion_s[voided] = np.nan
-                seg.completions = [(it, rid) for it, rid in seg.completions if it < new_length]
+            kept = [(it, rid) for it, rid in seg.completions if it < new_length]
+            if len(kept) < len(seg.completions):
+                completion_s = self.table.completion_s
+                for it, rid in seg.completions:  # a few: scalar writes beat a fancy-indexed one
+                    if it >= new_length:
+                        completion_s[rid] = np.nan
+                seg.completions = kept
         if new_length < 2 and seg.n_new:  # the joiners' first decode iteration did not happen
             self.table.first_token_s[seg.ids[: seg.n_new]] = np.nan
         seg.length = new_length
@@ -499,9 +558,9 @@ class Replica:
         """At the segment's end: fold it into the request table and draw the next one (None = idle)."""
         seg = self.segment
         assert seg is not None
-        now = float(seg.end_s[seg.length - 1])
+        now = seg.end_s[seg.length - 1]
         self._fold(seg)
-        if self.running.size == 0 and not self.queue:
+        if not self.running and not self.queue:
             self.version += 1
             return None
         return self.start_segment(now, settings)
@@ -511,7 +570,7 @@ class Replica:
         seg = self.segment
         if seg is None:
             return
-        j = int(seg.end_s.searchsorted(now, side="right"))
+        j = bisect_right(seg.end_s, now)
         if j < seg.length:
             self._void_after(seg, j)
         self._fold(seg)
@@ -531,9 +590,10 @@ class Replica:
             if seg.lag_grows is not None and seg.lag_grows.any():
                 table.draft_lag[ids[seg.lag_grows]] += per_seq[seg.lag_grows]
             self.iterations += n - 1 if seg.n_new else n
-            keep = seg.finish_iter >= n
-            self.running = ids[keep]
-            self.remaining = (seg.remaining - per_seq)[keep]
+            finish = seg.finish_iter
+            self.running = [rid for rid, f in zip(seg.id_list, finish, strict=True) if f >= n]
+            self.remaining = [left - e for left, e, f in zip(seg.remaining, per_seq.tolist(), finish, strict=True)
+                              if f >= n]
         else:
-            self.running, self.remaining = ids, seg.remaining
+            self.running, self.remaining = seg.id_list, seg.remaining
         self.segment = None

@@ -28,7 +28,7 @@ from sim.entities import EventCounters, RequestTable, WindowBins
 from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
 from sim.metrics import fast_summary, latencies_ms, slo_met, summarize, tier_windows
 from sim.profile import Profile
-from sim.replica import DecodeSettings, Replica, ReplicaState
+from sim.replica import DecodeSettings, Replica, ReplicaState, survival_grid
 from sim.workload import Requests, Workload
 
 Routing = Literal["power_of_two", "least_loaded", "round_robin"]
@@ -215,6 +215,7 @@ class Simulator:
             for n, k in zip(self.tier_names, ks, strict=True)
         ])
         s.survival_by_tier = np.cumprod(accept, axis=1)
+        s.survival_grid, s.grid_tokens_by_tier = survival_grid(s.survival_by_tier)
         batch = self.profile.batch_acceptance
         if batch is not None:  # [max_batch + 1, n_tiers]; row 0 unused
             sizes = np.arange(1, self.config.max_batch + 1, dtype=float)
@@ -427,7 +428,7 @@ class Simulator:
     def _telemetry(self, now: float) -> Telemetry:
         window_s = max(now - self._last_tick_s, 1e-9)
         w = self._tick + 1
-        sums = self.bins.sums[w]
+        sums = self.bins.window(w)
         tokens = float(sums[WindowBins.TOKENS])
         seq_iters = float(sums[WindowBins.SEQ_ITERS])
         accepted = float(sums[WindowBins.ACCEPTED])

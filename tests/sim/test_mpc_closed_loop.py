@@ -92,3 +92,24 @@ def test_load_sims_step_overhead_adds_to_every_decode_step_of_the_replica() -> N
             expected = float(base.latency.iteration_ms(rows, k)) + 45.0
             assert float(slow.latency.iteration_ms(rows, k)) == pytest.approx(expected), (k, rows)
     assert slow.latency.prefill_ms(100) == base.latency.prefill_ms(100)
+
+
+def test_load_sims_forward_overhead_adds_to_every_forward_pass() -> None:
+    """``benchmarks/load_sim.py --forward-overhead-ms``: a plain step takes the overhead once, a speculative step
+    at k (any mix of rows) k + 1 times, a prefill once per model it runs, the draft's catch-up once."""
+    from benchmarks.load_sim import with_forward_overhead
+
+    base = Profile.default()
+    assert base.latency.models_draft_prefill  # else the draft's prefill is not modelled apart
+    slow = with_forward_overhead(base, 20.0)
+    for k in (0, 2, 4, 6):
+        for rows in (1, 3, 8, 10):
+            expected = float(base.latency.iteration_ms(rows, k)) + 20.0 * (k + 1)
+            assert float(slow.latency.iteration_ms(rows, k)) == pytest.approx(expected), (k, rows)
+    ks = np.array([0, 2, 6, 6])
+    fixed, per_row = slow.latency.mixed_coeffs(ks)
+    base_fixed, base_per_row = base.latency.mixed_coeffs(ks)
+    assert fixed == pytest.approx(base_fixed + 20.0 * 7) and np.allclose(per_row, base_per_row)
+    assert slow.latency.prefill_ms(100, 0) == pytest.approx(base.latency.prefill_ms(100, 0) + 20.0)
+    assert slow.latency.prefill_ms(100) == pytest.approx(base.latency.prefill_ms(100) + 40.0)
+    assert slow.latency.draft_catch_up_ms(50) == pytest.approx(base.latency.draft_catch_up_ms(50) + 20.0)

@@ -874,13 +874,19 @@ class ModelPredictivePolicy:
         theirs, added 73 ms per token and kept plain decoding ahead of the probe). No probe while nothing
         runs (``in_flight`` 0): it would measure nothing, and the kind it switched to, in force then, is
         not the one probed, so the next window switched back (session 18, the contended step load's idle
-        tail: the kind flipped every window)."""
+        tail: the kind flipped every window). No probe of plain steps while more than one request is in
+        flight: it is the costly experiment there, as every row's backlog becomes the draft's to catch up
+        on the way back, which holds plain decoding once it is in (session 19, the contended step load at
+        130 ms in the simulator: a probe at seven rows ran plain decoding through 7 s of a burst that
+        T = 4, k = 6 served within target)."""
         if not self.current or in_flight <= 0:
             return None
         if not any(self.short[name] for i, name in enumerate(self.tier_names) if active[i]):
             return None
         plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
         if self._ticks - self._last_seen(not plain_now) < self.probe_after:
+            return None
+        if not plain_now and in_flight > 1:  # a probe of plain steps at a busy batch (docstring)
             return None
         return plain_now
 

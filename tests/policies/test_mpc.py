@@ -777,8 +777,9 @@ def test_a_probe_of_plain_steps_keeps_the_switch_margin() -> None:
         policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
         for tick in range(1, 16):
             policy.current = {name: (4.0, 4) for name in policy.tier_names}
-            ms = spec_ratio * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 6.0)[0])
-            decision = policy.decide(load(6, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=6.0,
+            ms = spec_ratio * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 1.0)[0])
+            # One request in flight: a probe of plain steps is taken only then (the next test).
+            decision = policy.decide(load(1, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=1.0,
                                           tiers=window("economy", k=4, threshold=4.0, slo_met=0)))
         assert policy.short["economy"]
         return decision
@@ -825,15 +826,15 @@ def test_speculative_steps_are_corrected_per_draft_length() -> None:
 
 
 def test_no_probe_while_nothing_runs() -> None:
-    """Speculative steps measured slow, plain ones never run, the tier short: with rows running the policy probes
+    """Speculative steps measured slow, plain ones never run, the tier short: with a row running the policy probes
     plain steps; with none it does not (a probe would measure nothing, and from plain decoding, then in force and
     not the kind probed, the next window went back: session 18, the kind flipped every idle window)."""
     slo = make_slo(economy={"tpot_ms": 5.0})
     policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
     for tick in range(1, 16):
         policy.current = {name: (4.0, 4) for name in policy.tier_names}
-        ms = 1.8 * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 6.0)[0])
-        busy = policy.decide(load(6, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=6.0,
+        ms = 1.8 * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 1.0)[0])
+        busy = policy.decide(load(1, arrivals=2, time_s=float(tick), mean_iteration_ms=ms, mean_batch_size=1.0,
                                   tiers=window("economy", k=4, threshold=4.0, slo_met=0)))
     assert busy.draft_lengths["economy"] == 0 and "probing plain steps" in busy.reason
     policy.current = {name: (4.0, 4) for name in policy.tier_names}
@@ -843,3 +844,31 @@ def test_no_probe_while_nothing_runs() -> None:
         assert "probing" not in idle.reason
         kinds.append(idle.draft_lengths["economy"])
     assert len(set(kinds)) == 1, kinds
+
+
+def test_no_probe_of_plain_steps_while_more_than_one_request_runs() -> None:
+    """Speculative steps in force, a plain fit learned slow and gone stale, the tier short: the probe of plain
+    steps (plain predicted at the speculative steps' factors) is taken with one request in flight, not with six.
+    At six rows a probe makes every row's backlog the draft's to catch up on the way back, and the plain steps it
+    runs meanwhile are a full batch's (session 19, the contended step load at 130 ms in the simulator: a probe at
+    seven rows ran plain decoding for 7 s of a burst that T = 4, k = 6 served within target)."""
+    slo = make_slo(economy={"tpot_ms": 5.0})  # out of reach: every window misses, the tier goes short
+    shares = np.array([0.0, 0.0, 1.0])
+
+    def decide_at(rows: int) -> Decision:
+        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
+        tick = 0
+        for k, ratio, windows in ((0, 2.5, 5), (4, 1.3, 35)):  # plain steps first, then drafting for 35 windows
+            for _ in range(windows):
+                tick += 1
+                policy.current = {name: (4.0 if k else 0.0, k) for name in policy.tier_names}
+                ms = ratio * float(policy._step_ms(np.array([[0, 0, k]]), shares, float(rows))[0])
+                decision = policy.decide(load(rows, arrivals=0, time_s=float(tick), mean_iteration_ms=ms,
+                                              mean_batch_size=float(rows),
+                                              tiers=window("economy", k=k, threshold=4.0 if k else 0.0, slo_met=0)))
+        assert policy.short["economy"] and policy.plain_step.fixed == pytest.approx(2.5)
+        return decision
+
+    assert "probing plain steps" in decide_at(1).reason
+    busy = decide_at(6)
+    assert "probing" not in busy.reason and busy.draft_lengths["economy"] == 4, busy.reason

@@ -93,13 +93,9 @@ def with_forward_overhead(profile: Profile, overhead_ms: float) -> Profile:
     light phase; this does (session 19)."""
     if not (overhead_ms >= 0):
         raise SystemExit(f"--forward-overhead-ms must be >= 0, got {overhead_ms}")
-    lat = profile.latency.model_dump()
-    lat["verify_a_ms"] += overhead_ms
+    # The verify forward and the plain step once each (the step overhead), then each draft step and prefill.
+    lat = with_step_overhead(profile, overhead_ms).latency.model_dump()
     lat["draft_a_ms"] += overhead_ms
-    a, _ = profile.latency.plain_coeffs()
-    lat["plain_step_a_ms"] = a + overhead_ms
-    if lat.get("plain_step_ms_by_batch"):
-        lat["plain_step_ms_by_batch"] = [ms + overhead_ms for ms in lat["plain_step_ms_by_batch"]]
     lat["prefill_fixed_ms"] += overhead_ms
     if profile.latency.models_draft_prefill:
         lat["draft_prefill_fixed_ms"] += overhead_ms

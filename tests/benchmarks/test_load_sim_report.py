@@ -30,3 +30,40 @@ def test_tpot_distribution_reports_deciles_and_the_share_within_target() -> None
     assert d["p50"] == 50.5 and d["p90"] == pytest.approx(90.1, abs=0.05)
     assert d["within_target"] == 0.3
     assert tpot_distribution(np.array([]), 30.0) == {"requests": 0}
+
+
+def test_hindsight_schedule_switches_the_tier_at_the_phase_boundaries() -> None:
+    from benchmarks.load_sim import HindsightSchedule, load_slo
+    from policies.telemetry import Telemetry
+
+    slo = load_slo("economy", 97.0)
+    schedule = HindsightSchedule(slo, "economy", phase_s=40.0, threshold=4.0, k=6)
+    seen = {t: schedule.decide(Telemetry(time_s=t, window_s=1.0)) for t in (39.0, 40.0, 79.0, 80.0)}
+    assert [(d.thresholds["economy"], d.draft_lengths["economy"]) for d in seen.values()] == [
+        (0.0, 0), (4.0, 6), (4.0, 6), (0.0, 0)]
+    # The other tiers decode plainly throughout (they carry no traffic on the step load).
+    assert all(d.thresholds[n] == 0.0 and d.draft_lengths[n] == 0 for d in seen.values() for n in slo.tiers if n != "economy")
+    with pytest.raises(ValueError, match="'premium'"):
+        HindsightSchedule(slo, "premium", 40.0, 4.0, 6)
+
+
+def test_load_sim_reports_a_hindsight_schedule_outside_the_criterion(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "report.json"
+    configs = {"plain": {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "guards": False},
+               "hindsight:4:6": {"policy": "hindsight", "high": [4, 6]}, "slo": "slo"}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "load_sim.py"), "--rates", "0.1,0.5", "--phase-s", "10",
+                    "--tpot-ms", "130", "--seeds", "1", "--configs", json.dumps(configs), "--out", str(out)],
+                   check=True, capture_output=True, cwd=root)
+    report = json.loads(out.read_text())
+    kinds = {c["name"]: c["spec"]["policy"] for c in report["configs"]}
+    assert kinds == {"plain": "static", "hindsight:4:6": "hindsight", "slo": "adaptive"}
+    assert set(report["criterion"]["held"]) == {"slo"}
+    # It ran (4, 6) in the high phase: distortion where plain decoding has none.
+    by_name = {c["name"]: c for c in report["configs"]}
+    assert by_name["hindsight:4:6"]["mean_distortion_per_token"] > 0.0 == by_name["plain"]["mean_distortion_per_token"]

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import criterion  # noqa: E402
 from benchmarks.stats import ci95  # noqa: E402
+from policies.base import Policy  # noqa: E402
 from policies.decision import Decision  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from policies.telemetry import Telemetry  # noqa: E402
@@ -207,7 +208,7 @@ def main() -> int:
             })
             if isinstance(spec, dict) and spec.get("policy") == "hindsight":
                 threshold, k = spec["high"]
-                policy: Any = HindsightSchedule(slo, args.tier, args.phase_s, float(threshold), int(k))
+                policy: Policy = HindsightSchedule(slo, args.tier, args.phase_s, float(threshold), int(k))
             else:
                 policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, policy_profile)
             result = Simulator(SimConfig(seed=seed, replicas=1, max_batch=8, k=4), profile, slo, workload, policy).run()

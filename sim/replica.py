@@ -104,6 +104,21 @@ class DecodeSettings:
     _state_tables: dict[tuple[int, ...], _BatchTables] = field(default_factory=dict, init=False, repr=False)
     _state_tables_key: tuple[tuple[float, int], ...] | None = field(default=None, init=False, repr=False)
     _cached_tables: int = field(default=0, init=False, repr=False)
+    # Per (tier of row 0, one tier) for the state_key object it was built for: step_table's tables.
+    _step_tables: dict[tuple[int, bool], _StepTable] = field(default_factory=dict, init=False, repr=False)
+    _step_tables_key: tuple[tuple[float, int], ...] | None = field(default=None, init=False, repr=False)
+
+    def step_table(self, tier: int, one_tier: bool, max_batch: int) -> _StepTable:
+        """The step ms and the step's window-feature columns by rows in it, for a batch whose rows all
+        draft ``tier``'s k (row 0 of ``tier``; ``one_tier``: every row of it). Cached per state."""
+        if self._step_tables_key is not self.state_key:
+            self._step_tables = {}
+            self._step_tables_key = self.state_key
+        key = (tier, one_tier)
+        found = self._step_tables.get(key)
+        if found is None:
+            found = self._step_tables[key] = _StepTable.build(self, tier, one_tier, max_batch)
+        return found
 
     def batch_tables(self, tier_list: list[int]) -> _BatchTables:
         if self._state_tables_key is not self.state_key:
@@ -185,6 +200,48 @@ class _BatchTables:
             grid_tokens=grid_tokens.ravel(),
             grid_offsets=np.arange(b, dtype=np.int64) * (g + 1),
         )
+
+
+@dataclass(slots=True)
+class _StepTable:
+    """A uniform-k step by the rows in it (index 0 .. max_batch): its ms, and the window-feature columns
+    that do not come from the tokens' product (rows, drafted tokens, steps, ms, the speculative steps'
+    share, and with one tier its sequence-iterations; zeros elsewhere). Replica.start_segment reads
+    them at each iteration's rows: the values the per-segment column writes computed, with the same
+    operations."""
+
+    ms: np.ndarray  # [max_batch + 1]
+    features: np.ndarray  # [max_batch + 1, F]
+
+    @classmethod
+    def build(cls, s: DecodeSettings, tier: int, one_tier: bool, max_batch: int) -> _StepTable:
+        rows = np.arange(max_batch + 1, dtype=np.int64)
+        k = int(s.k_by_tier[tier])
+        n_t = s.tier_weights.shape[0]
+        uniform_k = 0
+        if s.plain_ms_by_rows is not None and k == 0:
+            ms = np.array(s.plain_ms_by_rows[: max_batch + 1], dtype=float)
+            drafted: np.ndarray = np.zeros(rows.size)
+        else:
+            fixed_ms, per_seq_ms = s.coeffs_by_tier[tier]
+            ms = rows * per_seq_ms
+            ms += fixed_ms
+            drafted = rows * k
+            uniform_k = k
+        features = np.zeros((rows.size, s.tier_weights.shape[1]))
+        features[:, WindowBins.SEQ_ITERS] = rows
+        features[:, WindowBins.DRAFTED] = drafted
+        features[:, WindowBins.ITERS] = 1.0
+        features[:, WindowBins.ITER_MS] = ms
+        if uniform_k:
+            features[:, WindowBins.SPEC_ITERS] = 1.0
+            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
+            features[:, WindowBins.SPEC_ROWS] = rows
+            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
+            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = rows * float(uniform_k)
+        if one_tier:
+            features[:, _B + 2 * n_t + tier] = rows
+        return cls(ms=ms, features=features)
 
 
 def survival_grid(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -316,8 +373,12 @@ class Replica:
         k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
         n_iter = h + off
-        cum = np.empty((n_iter, b), dtype=np.int64)
-        dec = cum[off:]
+        # Cumulative tokens with a leading row of zeros (row j + 1 = by the end of iteration j): "alive
+        # before" and "alive after" iteration j, the batch sizes and the tokens per iteration each come
+        # from one call over it instead of a shifted copy.
+        cz = np.empty((n_iter + 1, b), dtype=np.int64)
+        cz[: off + 1] = 0  # nothing before iteration 0; the prefill iteration emits nothing
+        dec = cz[off + 1 :]
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
         tier_set = frozenset(tier_list)
@@ -336,64 +397,97 @@ class Replica:
             row_odds = odds.take(ids) * rows.odds_centring
             survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
             np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
-        if n_new:
-            cum[0] = 0  # the prefill iteration emits nothing
-        np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
-        alive = cum < remaining  # [L, B] still running after iteration j
-        emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
+        np.add.accumulate(cz, axis=0, out=cz)  # tokens drawn by the end of each iteration, unclipped
+        alive_all = cz < remaining  # [L + 1, B]: row j still running before iteration j (= after j − 1)
+        alive_all[0] = True  # every row runs in the first iteration
+        alive = alive_all[1:]  # [L, B] still running after iteration j
+        alive_before = alive_all[:-1]  # [L, B] rows in iteration j
+        emitted_all = np.minimum(cz, remaining, out=cz)  # clipped at each output length
+        emitted = emitted_all[1:]  # [L, B] by the end of iteration j
         finish_iter = np.add.reduce(alive, axis=0)  # iteration in which each completes (n_iter: not in this draw)
-        active_after = np.add.reduce(alive, axis=1)  # [L]
+        active_all = np.add.reduce(alive_all, axis=1)  # [L + 1]
+        active_before = active_all[:-1]  # [L] rows in iteration j (all b in the first)
+        active_after = active_all[1:]  # [L]
+        tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
+        np.subtract(emitted_all[1:], emitted_all[:-1], out=tokens)
+        # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
+        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
+        features = tokens @ rows.weights  # [L, F]
 
-        # Iteration j runs the sequences active after j − 1 (all b for the first).
-        active_before = np.empty(n_iter, dtype=np.int64)
-        active_before[0] = b
-        active_before[1:] = active_after[:-1]
         n_t = self.bins.n_tiers
-        alive_before: np.ndarray | None = None  # [L, B] rows in iteration j (only for mixed batches)
-        if not one_tier:
-            alive_before = np.empty((n_iter, b))
-            alive_before[0] = 1.0
-            alive_before[1:] = alive[:-1]
-        k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
-        uniform_k = 0  # > 0: every row drafts this k in every iteration (k_max ≡ uniform_k, all speculative)
-        if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
-            dt_ms = settings.plain_ms_by_rows.take(active_before)
-            drafted: np.ndarray = np.zeros(n_iter)
-        elif one_tier or rows.uniform_k:
-            fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
-            dt_ms = active_before * per_seq_ms
-            dt_ms += fixed_ms
-            k = int(rows.row_k[0])
-            drafted = active_before * k
-            uniform_k = k
-        else:
-            assert alive_before is not None
-            # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
-            # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
-            k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
-            drafting_rows = alive_before @ rows.row_drafts
-            drafted = alive_before @ rows.row_k_float
-            dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
-            plain_steps = k_max == 0
-            if plain_steps.any():
-                if settings.plain_ms_by_rows is not None:
-                    dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
-                else:
-                    plain_fixed, plain_per_row = self.latency.plain_coeffs()
-                    dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
-        lag_grows = None
-        catch_up_ms = 0.0
-        if self._draft_prefill:
-            catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
-            dt_ms[off] += catch_up_ms
+        step: _StepTable | None = None
+        if (one_tier or rows.uniform_k) and not self._draft_prefill and not self._exponential_times:
+            # Every row at one k: the step's ms and its columns depend on the rows in it alone; read them
+            # from the per-row-count table (the same values as the general path below, which the product
+            # leaves at 0 in these columns: 0 + x is x).
+            step = settings.step_table(t0, one_tier, self.max_batch)
+        if step is not None:
+            dt_ms = step.ms.take(active_before)
+            features += step.features.take(active_before, axis=0)
             if n_new:
-                dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
-        elif n_new:
-            dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
-        if self._exponential_times:
-            draws = self.rng.exponential(1.0, size=n_iter)
-            dt_ms *= draws
-            catch_up_ms *= float(draws[off])
+                dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
+            lag_grows = None
+        else:
+            k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
+            uniform_k = 0  # > 0: every row drafts this k in every iteration (k_max ≡ uniform_k, all speculative)
+            if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
+                dt_ms = settings.plain_ms_by_rows.take(active_before)
+                drafted: np.ndarray = np.zeros(n_iter)
+            elif one_tier or rows.uniform_k:
+                fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
+                dt_ms = active_before * per_seq_ms
+                dt_ms += fixed_ms
+                k = int(rows.row_k[0])
+                drafted = active_before * k
+                uniform_k = k
+            else:
+                # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
+                # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
+                k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
+                drafting_rows = alive_before @ rows.row_drafts
+                drafted = alive_before @ rows.row_k_float
+                dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
+                plain_steps = k_max == 0
+                if plain_steps.any():
+                    if settings.plain_ms_by_rows is not None:
+                        dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
+                    else:
+                        plain_fixed, plain_per_row = self.latency.plain_coeffs()
+                        dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
+            lag_grows = None
+            catch_up_ms = 0.0
+            if self._draft_prefill:
+                catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
+                dt_ms[off] += catch_up_ms
+                if n_new:
+                    dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
+            elif n_new:
+                dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
+            if self._exponential_times:
+                draws = self.rng.exponential(1.0, size=n_iter)
+                dt_ms *= draws
+                catch_up_ms *= float(draws[off])
+            features[:, WindowBins.SEQ_ITERS] = active_before
+            features[:, WindowBins.DRAFTED] = drafted
+            features[:, WindowBins.ITERS] = 1.0
+            features[:, WindowBins.ITER_MS] = dt_ms
+            if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
+                features[off, WindowBins.ITER_MS] -= catch_up_ms
+            if uniform_k:  # as below with k_max ≡ k: x · 1.0 and k · rows are the same values
+                features[:, WindowBins.SPEC_ITERS] = 1.0
+                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
+                features[:, WindowBins.SPEC_ROWS] = active_before
+                features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
+                features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = active_before * float(uniform_k)
+            elif k_max is not None:  # the speculative steps apart, with what the step model needs of each
+                speculative = k_max > 0
+                features[:, WindowBins.SPEC_ITERS] = speculative
+                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
+                features[:, WindowBins.SPEC_ROWS] = active_before * speculative
+                features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
+                features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
+            if one_tier:
+                features[:, _B + 2 * n_t + t0] = active_before
         end_s = np.add.accumulate(dt_ms)
         end_s /= 1000.0
         end_s += now
@@ -403,34 +497,7 @@ class Replica:
         j = int(stop.argmax())
         length = j + 1 if stop[j] else n_iter
 
-        # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
-        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
-        tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
-        tokens[0] = emitted[0]
-        np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
-        features = tokens @ rows.weights  # [L, F]
-        features[:, WindowBins.SEQ_ITERS] = active_before
-        features[:, WindowBins.DRAFTED] = drafted
-        features[:, WindowBins.ITERS] = 1.0
-        features[:, WindowBins.ITER_MS] = dt_ms
-        if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
-            features[off, WindowBins.ITER_MS] -= catch_up_ms
-        if uniform_k:  # as below with k_max ≡ k: x · 1.0 and k · rows are the same values
-            features[:, WindowBins.SPEC_ITERS] = 1.0
-            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
-            features[:, WindowBins.SPEC_ROWS] = active_before
-            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
-            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = active_before * float(uniform_k)
-        elif k_max is not None:  # the speculative steps apart, with what the step model needs of each
-            speculative = k_max > 0
-            features[:, WindowBins.SPEC_ITERS] = speculative
-            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
-            features[:, WindowBins.SPEC_ROWS] = active_before * speculative
-            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
-            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
-        if alive_before is None:
-            features[:, _B + 2 * n_t + t0] = active_before
-        else:
+        if not one_tier:
             features[:, _B + 2 * n_t :] = alive_before @ rows.onehot
         distortion_rows = None
         if rows.event_p is not None and rows.event_size is not None:

@@ -304,6 +304,16 @@ def _row_sums(a: np.ndarray) -> np.ndarray:
     return total
 
 
+def _weighted_column_sums(columns: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """``_row_sums(np.stack(columns, axis=1) * weights)``, bit for bit, without building the matrix."""
+    if len(columns) == 0 or len(columns) >= 8:
+        return _row_sums(np.stack(columns, axis=1) * weights) if columns else np.zeros(0)
+    total = columns[0] * weights[0]
+    for i in range(1, len(columns)):
+        total = total + columns[i] * weights[i]
+    return np.asarray(total, dtype=float)
+
+
 #: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
 #: a step on average: steps are admission points) and the decode step its prefill is fused with.
 _TTFT_STEPS = 1.5
@@ -333,6 +343,18 @@ def _anchored_z(ratios_now: Sequence[float], spreads: Sequence[float], measured:
     # steps × one or two factors run three times a tick. The same operations as
     # ``math.prod(_phi(mid - x) for x in logs)`` (prod starts from the int 1, and 1 · p is p).
     exp, c = math.exp, -_LOGISTIC
+    if len(logs) == 2:  # TTFT and TPOT targets, the usual tier: the loop below unrolled
+        x0, x1 = logs
+        for _ in range(30):
+            mid = 0.5 * (lo + hi)
+            v0, v1 = mid - x0, mid - x1
+            v0 = -30.0 if v0 < -30.0 else 30.0 if v0 > 30.0 else v0
+            v1 = -30.0 if v1 < -30.0 else 30.0 if v1 > 30.0 else v1
+            if (1.0 / (1.0 + exp(c * v0))) * (1.0 / (1.0 + exp(c * v1))) < target:
+                lo = mid
+            else:
+                hi = mid
+        return 0.5 * (lo + hi)
     for _ in range(30):
         mid = 0.5 * (lo + hi)
         prod = 1.0
@@ -1209,8 +1231,9 @@ class ModelPredictivePolicy:
         if mode == "meets":
             keys = [cost[take], best_effort_tpot, *reversed(distortion_keys)]
         else:
-            violation = np.zeros((pool.size, n_t))
-            attained = np.ones((pool.size, n_t))
+            # Per tier as contiguous columns (numpy works a strided column of [pool, tiers] slower).
+            violation = [np.zeros(pool.size) for _ in range(n_t)]
+            attained = [np.ones(pool.size) for _ in range(n_t)]
             now = self._current_index(ks, thresholds, act_idx, u.tier_points)
             if now is not None and not within[now]:
                 now = None  # out of budget: not a candidate (as in a budget-pruned universe)
@@ -1223,8 +1246,8 @@ class ModelPredictivePolicy:
                     z = _anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
                 for (_, ratio), spread in zip(tier_ratios, spreads, strict=True):
                     ratio_pool = ratio[take]
-                    violation[:, i] += np.maximum(ratio_pool - 1.0, 0.0)
-                    attained[:, i] *= _normal_cdf(z - np.log(ratio_pool) / spread)
+                    violation[i] += np.maximum(ratio_pool - 1.0, 0.0)
+                    attained[i] *= _normal_cdf(z - np.log(ratio_pool) / spread)
             # The objective where no candidate meets: the most attainment. Each tier's share of requests
             # meeting its targets, predicted from how far each candidate moves its latencies against its
             # targets (in the spread of its requests' latencies): from what is measured at the point in
@@ -1232,8 +1255,8 @@ class ModelPredictivePolicy:
             # share. Not "tiers that meet" (0 or 1 each): with that a tier predicted to miss counted
             # nothing whatever its step, and a loose tier drafting (to meet) at a full batch tripled the
             # step of a tight tier that still met half its requests at k = 0 (set F, session 17).
-            predicted_attainment = _row_sums(attained * shares)
-            weighted_violation = _row_sums(violation * shares)
+            predicted_attainment = _weighted_column_sums(attained, shares)
+            weighted_violation = _weighted_column_sums(violation, shares)
             # Most attainment, then the smallest violation, then the fastest (the cost order lets the
             # loose tiers spend their budget on capacity), then least distortion.
             keys = [*reversed(distortion_keys), np.round(cost[take], 2), best_effort_tpot,

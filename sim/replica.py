@@ -150,7 +150,7 @@ class _BatchTables:
     survival_asc0: np.ndarray  # [k_pad] row 0's survival ascending (the one-tier search)
     accept: np.ndarray  # [B, k_pad] at the reference batch (per-request draws shift it by odds_centring)
     odds_centring: np.ndarray  # [B] per-request centring times the batch's odds multiplier
-    distortion_per_token: np.ndarray  # [B]
+    distortion_list: list[float]  # [B] mean distortion per token (plain floats: Replica._fold's scalar updates)
     event_p: np.ndarray | None  # [B]
     event_size: np.ndarray | None  # [B]
     row_drafts: np.ndarray  # [B] 1.0 where the row drafts (k > 0)
@@ -193,7 +193,7 @@ class _BatchTables:
             survival_asc0=survival_asc0,
             accept=accept,
             odds_centring=odds_centring,
-            distortion_per_token=s.distortion_by_tier.take(tiers),
+            distortion_list=s.distortion_by_tier.take(tiers).tolist(),
             event_p=None if s.event_p_by_tier is None else s.event_p_by_tier.take(tiers),
             event_size=None if s.event_size_by_tier is None else s.event_size_by_tier.take(tiers),
             grid=grid,
@@ -230,6 +230,7 @@ class _StepTable:
             uniform_k = k
         features = np.zeros((rows.size, s.tier_weights.shape[1]))
         features[:, WindowBins.SEQ_ITERS] = rows
+        features[:, WindowBins.ACCEPTED] = -rows  # + the tokens (tier_weights) = tokens − rows, exactly
         features[:, WindowBins.DRAFTED] = drafted
         features[:, WindowBins.ITERS] = 1.0
         features[:, WindowBins.ITER_MS] = ms
@@ -257,14 +258,14 @@ def survival_grid(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(slots=True)
 class _Segment:
-    ids: np.ndarray  # [B] request ids in the batch (joiners first)
-    id_list: list[int]  # ids as plain ints
+    ids: np.ndarray | None  # [B] request ids in the batch (joiners first); None where nothing needed the array
+    id_list: list[int]  # the ids as plain ints
     remaining: list[int]  # [B] tokens each still had to emit when the segment started
     end_s: list[float]  # [L] absolute end time of each iteration (plain floats: bisected per arrival)
     emitted: np.ndarray  # [L, B] tokens emitted by the end of iteration j (cumulative, clipped)
     finish_iter: list[int]  # [B] iteration at whose end the sequence completes; > L-1 if not in segment
     active_after: list[int]  # [L] sequences still running after iteration j
-    distortion_per_token: np.ndarray  # [B]
+    distortion_list: list[float]  # [B] mean distortion per token of each row (plain floats)
     features: np.ndarray  # [L, F] per-iteration window sums (see WindowBins)
     bins: np.ndarray  # [L] window bin of each iteration
     completions: list[tuple[int, int]]  # (iteration, request id) of the completions inside the draw
@@ -352,11 +353,14 @@ class Replica:
                 decode_left += self.remaining
             else:
                 id_list = new
-        ids = np.array(id_list, dtype=np.int64)
+        # The ids as an array only where a fancy index needs them (per-request acceptance, the draft's
+        # backlog); a few scalar writes beat one fancy-indexed write.
+        ids = np.array(id_list, dtype=np.int64) if table.acceptance_odds is not None or self._draft_prefill else None
         remaining = np.array(decode_left, dtype=np.int64)
-        new_ids = ids[:n_new]
         if n_new:
-            table.start_s[new_ids] = now
+            start_s = table.start_s
+            for rid in new:
+                start_s[rid] = now
         b = n_new + n_run
         tier_of = table.tier_list
         tier_list = [tier_of[i] for i in id_list]
@@ -376,8 +380,7 @@ class Replica:
         # Cumulative tokens with a leading row of zeros (row j + 1 = by the end of iteration j): "alive
         # before" and "alive after" iteration j, the batch sizes and the tokens per iteration each come
         # from one call over it instead of a shifted copy.
-        cz = np.empty((n_iter + 1, b), dtype=np.int64)
-        cz[: off + 1] = 0  # nothing before iteration 0; the prefill iteration emits nothing
+        cz = np.zeros((n_iter + 1, b), dtype=np.int64)  # zeros: nothing before iteration 0, nor in a prefill
         dec = cz[off + 1 :]
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
@@ -394,6 +397,7 @@ class Replica:
         else:
             # Each row's own survival S_r (the tier's acceptance shifted by the request's log-odds):
             # tokens = 1 + #{i : u < S_r,i}, the same count as the searches above.
+            assert ids is not None
             row_odds = odds.take(ids) * rows.odds_centring
             survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
             np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
@@ -411,7 +415,7 @@ class Replica:
         tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
         np.subtract(emitted_all[1:], emitted_all[:-1], out=tokens)
         # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
-        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
+        # row of tier_weights is [1, 0, 1, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
         features = tokens @ rows.weights  # [L, F]
 
         n_t = self.bins.n_tiers
@@ -457,6 +461,7 @@ class Replica:
             lag_grows = None
             catch_up_ms = 0.0
             if self._draft_prefill:
+                assert ids is not None
                 catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
                 dt_ms[off] += catch_up_ms
                 if n_new:
@@ -488,6 +493,10 @@ class Replica:
                 features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
             if one_tier:
                 features[:, _B + 2 * n_t + t0] = active_before
+            # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
+            # iteration is clipped at its output length, which undercounts that iteration's accepts.
+            # (The step table adds −rows to the tokens the product put in this column: the same value.)
+            np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
         end_s = np.add.accumulate(dt_ms)
         end_s /= 1000.0
         end_s += now
@@ -505,9 +514,6 @@ class Replica:
             distortion_rows = events * rows.event_size
             features[:, WindowBins.DISTORTION] = distortion_rows.sum(axis=1)
             features[:, _B + n_t : _B + 2 * n_t] = distortion_rows @ rows.onehot
-        # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
-        # iteration is clipped at its output length, which undercounts that iteration's accepts.
-        np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
         if n_new:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
             features[0, WindowBins.PREFILL_MS] = dt_ms[0]
@@ -516,7 +522,9 @@ class Replica:
 
         end_list: list[float] = end_s.tolist()
         if n_new:
-            table.first_token_s[new_ids] = end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
+            first_token_s, first_s = table.first_token_s, end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
+            for rid in new:
+                first_token_s[rid] = first_s
         # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
         finish_list = finish_iter.tolist()
         completions = [(it, rid) for it, rid in zip(finish_list, id_list, strict=True) if it < length]
@@ -536,7 +544,7 @@ class Replica:
             emitted,
             finish_list,
             active_after.tolist(),
-            rows.distortion_per_token,
+            rows.distortion_list,
             features,
             bins,
             completions,
@@ -618,7 +626,9 @@ class Replica:
                         completion_s[rid] = np.nan
                 seg.completions = kept
         if new_length < 2 and seg.n_new:  # the joiners' first decode iteration did not happen
-            self.table.first_token_s[seg.ids[: seg.n_new]] = np.nan
+            first_token_s = self.table.first_token_s
+            for rid in seg.id_list[: seg.n_new]:
+                first_token_s[rid] = np.nan
         seg.length = new_length
 
     def finish_segment(self, settings: DecodeSettings) -> float | None:
@@ -646,20 +656,27 @@ class Replica:
     def _fold(self, seg: _Segment) -> None:
         n = seg.length
         table = self.table
-        ids = seg.ids
         if n:
             per_seq = seg.emitted[n - 1]
-            table.emitted[ids] += per_seq
+            per_seq_list: list[int] = per_seq.tolist()
+            # A few rows: scalar updates beat fancy-indexed ones (the same IEEE operations, e · d then +).
+            emitted, distortion_sum = table.emitted, table.distortion_sum
             if seg.distortion_rows is None:
-                table.distortion_sum[ids] += per_seq * seg.distortion_per_token
+                for rid, e, d in zip(seg.id_list, per_seq_list, seg.distortion_list, strict=True):
+                    emitted[rid] += e
+                    distortion_sum[rid] += e * d
             else:
-                table.distortion_sum[ids] += seg.distortion_rows[:n].sum(axis=0)
+                for rid, e, d in zip(seg.id_list, per_seq_list, seg.distortion_rows[:n].sum(axis=0).tolist(),
+                                     strict=True):
+                    emitted[rid] += e
+                    distortion_sum[rid] += d
             if seg.lag_grows is not None and seg.lag_grows.any():
-                table.draft_lag[ids[seg.lag_grows]] += per_seq[seg.lag_grows]
+                assert seg.ids is not None  # drawn with the draft's backlog: the array was built
+                table.draft_lag[seg.ids[seg.lag_grows]] += per_seq[seg.lag_grows]
             self.iterations += n - 1 if seg.n_new else n
             finish = seg.finish_iter
             self.running = [rid for rid, f in zip(seg.id_list, finish, strict=True) if f >= n]
-            self.remaining = [left - e for left, e, f in zip(seg.remaining, per_seq.tolist(), finish, strict=True)
+            self.remaining = [left - e for left, e, f in zip(seg.remaining, per_seq_list, finish, strict=True)
                               if f >= n]
         else:
             self.running, self.remaining = seg.id_list, seg.remaining

@@ -240,6 +240,9 @@ class Simulator:
         base = WindowBins.BASE
         w = np.zeros((n_t, base + 3 * n_t))
         w[:, WindowBins.TOKENS] = 1.0
+        # The tokens again: a uniform-k step adds −rows to this column (DecodeSettings.step_table), the
+        # general path overwrites it with tokens − rows.
+        w[:, WindowBins.ACCEPTED] = 1.0
         w[:, WindowBins.DISTORTION] = s.distortion_by_tier
         w[:, base : base + n_t] = np.eye(n_t)
         w[:, base + n_t : base + 2 * n_t] = np.diag(s.distortion_by_tier)

@@ -9,11 +9,12 @@ import pytest
 from policies.decision import Decision
 from policies.slo import SLOSpec
 from policies.telemetry import Telemetry
-from sim.entities import WindowBins
-from sim.metrics import fast_summary
+from sim.entities import RequestTable, WindowBins
+from sim.metrics import fast_summary, latencies_ms, tier_windows, window_summaries
 from sim.profile import Profile
 from sim.replica import DecodeSettings, survival_grid
 from sim.simulator import SimConfig, SimResult, Simulator
+from sim.workload import Requests
 from tests.sim.conftest import handmade_profile, make_workload
 
 
@@ -130,3 +131,38 @@ def test_step_tables_give_the_column_writes_results(profile_name: str, monkeypat
         for key, series in a.timeseries.items():
             assert np.array(series).tobytes() == np.array(b.timeseries[key]).tobytes(), key
         assert a.summary == b.summary or repr(a.summary) == repr(b.summary)
+
+
+def test_window_summaries_match_the_array_functions() -> None:
+    """A control tick's completions summarised in Python floats per request: the same summaries, tier
+    windows and met count as latencies_ms / fast_summary / tier_windows, bit for bit (reprs compared:
+    NaN and the sign of zero included)."""
+    rng = np.random.default_rng(17)
+    slo = SLOSpec.default()
+    names = tuple(slo.tiers)
+    n = 400
+    arrival = np.sort(rng.random(n) * 100.0)
+    requests = Requests(arrival_s=arrival, prompt_tokens=rng.integers(1, 500, n),
+                        output_tokens=rng.choice([1, 2, 3, 50, 200], n), tier=rng.integers(0, len(names), n).astype(np.int16),
+                        tier_names=names)
+    table = RequestTable(requests)
+    table.first_token_s = arrival + rng.exponential(0.5, n) * rng.choice([1e-3, 1.0, 10.0], n)
+    # Completions from at the first token (two tokens in one step: TPOT 0) to far past every target.
+    table.completion_s = table.first_token_s + rng.exponential(5.0, n) * rng.choice([0.0, 1.0, 30.0], n)
+    thresholds = {name: float(rng.random()) for name in names}
+    draft_lengths = {name: int(rng.integers(0, 5)) for name in names}
+    for trial in range(300):
+        done = sorted(rng.choice(n, size=int(rng.integers(0, 40)), replace=False).tolist())
+        if trial % 5 == 0:  # one tier alone (it holds every completion: the overall summaries serve)
+            done = [rid for rid in done if table.tier_list[rid] == trial % len(names)]
+        sums = rng.random((3, len(names))) * rng.choice([0.0, 1.0, 1e3])
+        fast = window_summaries(table, done, slo, thresholds, sums[0], sums[1], sums[2], draft_lengths)
+        assert fast is not None
+        ids = np.array(done, dtype=np.int64)
+        ttft, tpot, e2e = latencies = latencies_ms(table, ids)
+        overall = (fast_summary(ttft), fast_summary(tpot[~np.isnan(tpot)]), fast_summary(e2e))
+        tiers, met = tier_windows(table, ids, slo, thresholds, sums[0], sums[1], latencies, overall,
+                                  tier_seq_iters=sums[2], draft_lengths=draft_lengths)
+        assert repr(fast) == repr((overall, tiers, int(met.sum()))), f"trial {trial}"
+    table.first_token_s[3] = np.nan  # a NaN latency: left to the array functions
+    assert window_summaries(table, [3], slo, thresholds, sums[0], sums[1], sums[2], draft_lengths) is None

@@ -304,6 +304,16 @@ def _row_sums(a: np.ndarray) -> np.ndarray:
     return total
 
 
+def _weighted_column_sums(columns: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """``_row_sums(np.stack(columns, axis=1) * weights)``, bit for bit, without building the matrix."""
+    if len(columns) == 0 or len(columns) >= 8:
+        return _row_sums(np.stack(columns, axis=1) * weights) if columns else np.zeros(0)
+    total = columns[0] * weights[0]
+    for i in range(1, len(columns)):
+        total = total + columns[i] * weights[i]
+    return np.asarray(total, dtype=float)
+
+
 #: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
 #: a step on average: steps are admission points) and the decode step its prefill is fused with.
 _TTFT_STEPS = 1.5
@@ -329,9 +339,33 @@ def _anchored_z(ratios_now: Sequence[float], spreads: Sequence[float], measured:
     target = min(max(measured, 0.02), 0.98)
     logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
     lo, hi = -40.0, 40.0
-    for _ in range(30):  # scalar: numpy calls here cost the control tick ~0.7 ms a tier (session 17)
+    # Scalar (numpy calls here cost the control tick ~0.7 ms a tier, session 17), and _phi inlined: 30
+    # steps × one or two factors run three times a tick. The same operations as
+    # ``math.prod(_phi(mid - x) for x in logs)`` (prod starts from the int 1, and 1 · p is p).
+    exp, c = math.exp, -_LOGISTIC
+    if len(logs) == 2:  # TTFT and TPOT targets, the usual tier: the loop below unrolled
+        x0, x1 = logs
+        for _ in range(30):
+            mid = 0.5 * (lo + hi)
+            v0, v1 = mid - x0, mid - x1
+            v0 = -30.0 if v0 < -30.0 else 30.0 if v0 > 30.0 else v0
+            v1 = -30.0 if v1 < -30.0 else 30.0 if v1 > 30.0 else v1
+            if (1.0 / (1.0 + exp(c * v0))) * (1.0 / (1.0 + exp(c * v1))) < target:
+                lo = mid
+            else:
+                hi = mid
+        return 0.5 * (lo + hi)
+    for _ in range(30):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if math.prod(_phi(mid - x) for x in logs) < target else (lo, mid)
+        prod = 1.0
+        for x in logs:
+            v = mid - x
+            v = -30.0 if v < -30.0 else 30.0 if v > 30.0 else v  # min(max(v, −30), 30); NaN stays NaN
+            prod = prod * (1.0 / (1.0 + exp(c * v)))
+        if prod < target:
+            lo = mid
+        else:
+            hi = mid
     return 0.5 * (lo + hi)
 
 
@@ -379,6 +413,13 @@ class _Universe:
     fixed: np.ndarray  # [candidates] step ms independent of the batch
     k_max: np.ndarray  # [candidates] int: the draft steps of the candidate's step (0: a plain step)
     plain: np.ndarray  # [candidates] bool: every active tier at k = 0 (a plain step)
+    # Derived from the fields above once instead of every tick (speed only):
+    k_max_keys: np.ndarray  # np.unique(k_max)
+    k_max_at: np.ndarray  # [candidates] np.searchsorted(k_max_keys, k_max)
+    drafts: np.ndarray  # (ks > 0) as floats (0.0 / 1.0: the same products with the shares as the bools)
+    # Per active tier (in act_idx order), the (k, T) of its candidates in the product's order: a joint
+    # candidate's index is the mixed-radix number of its per-tier positions (itertools.product order).
+    tier_points: tuple[tuple[tuple[int, float], ...], ...]
 
 
 class ModelPredictivePolicy:
@@ -572,9 +613,14 @@ class ModelPredictivePolicy:
         plain = k_max == 0
         fixed = np.asarray(np.where(plain, cost.plain_fixed_ms, k_max * cost.draft_fixed_ms + cost.verify_fixed_ms),
                            dtype=float)
+        k_max_keys = np.unique(k_max)
+        tier_points = tuple(tuple((int(c.ks[j]), float(c.thresholds[j])) for j in chosen)
+                            for c, chosen in zip(cands, per_tier, strict=True))
         universe = _Universe(ks=ks, thresholds=thresholds, tokens_minus_1=tokens - 1.0,
                              tokens_minus_1_by_batch=None if by_batch is None else by_batch - 1.0, ks_plus_1=ks + 1.0,
-                             base_distortion=distortion, per_row=per_row, fixed=fixed, k_max=k_max, plain=plain)
+                             base_distortion=distortion, per_row=per_row, fixed=fixed, k_max=k_max, plain=plain,
+                             k_max_keys=k_max_keys, k_max_at=np.searchsorted(k_max_keys, k_max),
+                             drafts=(ks > 0).astype(float), tier_points=tier_points)
         if len(self._universe_cache) >= 256:  # distinct budget subsets are few; bound it anyway
             self._universe_cache.clear()
         self._universe_cache[key] = universe
@@ -836,13 +882,14 @@ class ModelPredictivePolicy:
         pending[:] = 0.0
         return ratio
 
-    def _step_correction(self, k_max: np.ndarray, probe: bool | None = None,
-                         k_now: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def _step_correction(self, k_max: np.ndarray, probe: bool | None = None, k_now: int = 0,
+                         unique: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """[candidates] the corrections of the fixed and of the per-row step time of each candidate's step,
         by its ``k_max`` (0: plain; see :meth:`_draft_fit`). ``probe`` (the kind in force, plain or not;
         see :meth:`_probing`) with ``k_now`` (the k_max in force): the other kind is taken at the lower of
-        its own factors and those of the step in force."""
-        keys = np.unique(k_max)  # sorted
+        its own factors and those of the step in force. ``unique``: ``(np.unique(k_max), np.searchsorted(that,
+        k_max))`` when known (a universe's)."""
+        keys = np.unique(k_max) if unique is None else unique[0]  # sorted
         fixed, per_row = np.empty(keys.size), np.empty(keys.size)
         now = None if probe is None else self.plain_step if probe else self._draft_fit(max(k_now, 1))
         for j, k in enumerate(keys.tolist()):
@@ -851,7 +898,7 @@ class ModelPredictivePolicy:
             if now is not None and (k == 0) != probe:  # the kind not in force, while probing
                 a, b = min(a, now.fixed), min(b, now.per_row)
             fixed[j], per_row[j] = a, b
-        at = np.searchsorted(keys, k_max)
+        at = np.searchsorted(keys, k_max) if unique is None else unique[1]
         return fixed[at], per_row[at]
 
     def _probing(self, active: np.ndarray, in_flight: int) -> bool | None:
@@ -890,15 +937,19 @@ class ModelPredictivePolicy:
             return None
         return plain_now
 
-    def _stall(self, lam: float, act_idx: Sequence[int], ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
+    def _stall(self, lam: float, act_idx: Sequence[int], ks: np.ndarray, shares: np.ndarray,
+               draft_share: np.ndarray | None = None) -> np.ndarray:
         """[candidates] share of a replica's time its running rows stall for joiners' prefills at ``lam``
         requests/s (admit, then step: every admission's prefill holds the whole batch), capped at 0.9.
         The measured prefill ran at the draft lengths in force; a candidate whose tiers join at another k
-        scales it by the model's prefill there (a join at k = 0 skips the draft's prefill)."""
+        scales it by the model's prefill there (a join at k = 0 skips the draft's prefill). ``draft_share``:
+        ``_draft_share(ks, shares)`` when known."""
         measured = self._stall_prefill_ms(act_idx)
         target_ms, draft_ms = self._prefill_split()
         now = self._draft_share(self._ks_now()[None, :], shares)[0]
-        scale = (target_ms + draft_ms * self._draft_share(ks, shares)) / (target_ms + draft_ms * now)
+        if draft_share is None:
+            draft_share = self._draft_share(ks, shares)
+        scale = (target_ms + draft_ms * draft_share) / (target_ms + draft_ms * now)
         return np.asarray(np.minimum(lam * measured * scale / 1000.0, 0.9), dtype=float)
 
     @staticmethod
@@ -914,10 +965,23 @@ class ModelPredictivePolicy:
         plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
         return np.asarray(plain != plain_now, dtype=float)
 
-    def _current_index(self, ks: np.ndarray, thresholds: np.ndarray, act_idx: Sequence[int]) -> int | None:
-        """The joint candidate that is the (T, k) in force over the active tiers (None: not a candidate)."""
+    def _current_index(self, ks: np.ndarray, thresholds: np.ndarray, act_idx: Sequence[int],
+                       tier_points: tuple[tuple[tuple[int, float], ...], ...] | None = None) -> int | None:
+        """The joint candidate that is the (T, k) in force over the active tiers (None: not a candidate).
+        ``tier_points``: the universe's (see :class:`_Universe`); then found per tier, without a pass over
+        the joint candidates: the first joint match in product order is every tier's first match."""
         if not self.current or not act_idx:
             return None
+        if tier_points is not None:
+            index = 0
+            for i, points in zip(act_idx, tier_points, strict=True):
+                t_in_force, k_in_force = self.current.get(self.tier_names[i], (math.nan, -1))
+                at = next((j for j, (k, t) in enumerate(points) if k == k_in_force and abs(t - t_in_force) < 1e-9),
+                          None)
+                if at is None:
+                    return None
+                index = index * len(points) + at
+            return index
         cols = list(act_idx)
         now_k = np.array([self.current.get(self.tier_names[i], (0.0, -1))[1] for i in cols])
         now_t = np.array([self.current.get(self.tier_names[i], (math.nan, 0))[0] for i in cols])
@@ -951,7 +1015,8 @@ class ModelPredictivePolicy:
         draft = c.draft_prefill_fixed_ms + c.draft_prefill_ms_per_token * prompt
         return max(target, 1e-9), draft
 
-    def _catch_up_tpot(self, ks: np.ndarray, shares: np.ndarray, running: float, length: float) -> np.ndarray:
+    def _catch_up_tpot(self, ks: np.ndarray, shares: np.ndarray, running: float, length: float,
+                       draft_share: np.ndarray | None = None) -> np.ndarray:
         """[candidates] TPOT ms a candidate adds by making a tier that runs at k = 0 draft: the draft then
         runs once over the running rows' backlog (their prompts and tokens so far, padded to one
         width), a stall every running request pays once over its ~``length`` tokens."""
@@ -959,7 +1024,7 @@ class ModelPredictivePolicy:
         if c.draft_prefill_ms_per_token <= 0 and c.draft_prefill_fixed_ms <= 0:
             return np.zeros(ks.shape[0])
         starts = ((ks > 0) & (self._ks_now()[None, :] == 0) & (shares > 0)[None, :]).any(axis=1)
-        fed = running * self._draft_share(ks, shares)
+        fed = running * (self._draft_share(ks, shares) if draft_share is None else draft_share)
         backlog = self._prompt_tokens() + length / 2.0
         catch_up_ms = c.draft_prefill_fixed_ms + c.draft_prefill_ms_per_token * fed * backlog
         return np.asarray(np.where(starts, catch_up_ms / max(length, 1.0), 0.0), dtype=float)
@@ -1054,7 +1119,8 @@ class ModelPredictivePolicy:
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
         probe = self._probing(active, telemetry.in_flight)
         k_now = int(np.where(active, self._ks_now(), 0).max())
-        fixed_correction, per_row_correction = self._step_correction(u.k_max, probe=probe, k_now=k_now)
+        fixed_correction, per_row_correction = self._step_correction(u.k_max, probe=probe, k_now=k_now,
+                                                                     unique=(u.k_max_keys, u.k_max_at))
         plain_table = bool(self.model.cost.plain_ms_by_batch)
 
         def corrected_line(near: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1092,9 +1158,10 @@ class ModelPredictivePolicy:
         step = f + p * batch
         # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
         # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
-        stall = self._stall(lam, act_idx, ks, shares)
+        draft_share = np.asarray(_row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
+        stall = self._stall(lam, act_idx, ks, shares, draft_share)
         # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
-        catch_up = self._catch_up_tpot(ks, shares, running_now, length)
+        catch_up = self._catch_up_tpot(ks, shares, running_now, length, draft_share)
         if probe is not None:
             # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running
             # now, not the requests that arrive over the next probe_after windows.
@@ -1146,22 +1213,28 @@ class ModelPredictivePolicy:
         # Best-effort tiers (no latency target) still want speed: their share-weighted TPOT comes
         # before cost, so a lossless tier is not parked at k = 0 inside a batch that drafts anyway.
         best_effort_tiers = [i for i in act_idx if not self.slo.tiers[self.tier_names[i]].has_latency_target]
-        all_meet = meets.all(axis=1) & within
+        all_meet = within.copy()
+        for i in range(n_t):  # meets.all(axis=1) & within, without numpy's slow short-axis reduction
+            all_meet &= meets[:, i]
         if all_meet.any():
             pool = np.flatnonzero(all_meet)
             mode = "meets"
         else:
             pool = np.flatnonzero(within)
             mode = "best effort"
-        best_effort_tpot = np.round(_row_sums(tpot_ranked[pool][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
-        distortion_pool = u.base_distortion[pool] * self.distortion_correction
+        # a[take] holds a[pool]'s values; a view, not a copy, when the pool is every candidate (the
+        # budget-pruned universe's best effort: every tick of an overloaded hour).
+        take: np.ndarray | slice = slice(None) if pool.size == n else pool
+        best_effort_tpot = np.round(_row_sums(tpot_ranked[take][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
+        distortion_pool = u.base_distortion[take] * self.distortion_correction
         distortion_keys = [np.round(distortion_pool[:, i], 4) for i in self._distortion_order]
         if mode == "meets":
-            keys = [cost[pool], best_effort_tpot, *reversed(distortion_keys)]
+            keys = [cost[take], best_effort_tpot, *reversed(distortion_keys)]
         else:
-            violation = np.zeros((pool.size, n_t))
-            attained = np.ones((pool.size, n_t))
-            now = self._current_index(ks, thresholds, act_idx)
+            # Per tier as contiguous columns (numpy works a strided column of [pool, tiers] slower).
+            violation = [np.zeros(pool.size) for _ in range(n_t)]
+            attained = [np.ones(pool.size) for _ in range(n_t)]
+            now = self._current_index(ks, thresholds, act_idx, u.tier_points)
             if now is not None and not within[now]:
                 now = None  # out of budget: not a candidate (as in a budget-pruned universe)
             for i, tier_ratios in ratios.items():
@@ -1172,8 +1245,9 @@ class ModelPredictivePolicy:
                 if now is not None and math.isfinite(measured):
                     z = _anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
                 for (_, ratio), spread in zip(tier_ratios, spreads, strict=True):
-                    violation[:, i] += np.maximum(ratio[pool] - 1.0, 0.0)
-                    attained[:, i] *= _normal_cdf(z - np.log(ratio[pool]) / spread)
+                    ratio_pool = ratio[take]
+                    violation[i] += np.maximum(ratio_pool - 1.0, 0.0)
+                    attained[i] *= _normal_cdf(z - np.log(ratio_pool) / spread)
             # The objective where no candidate meets: the most attainment. Each tier's share of requests
             # meeting its targets, predicted from how far each candidate moves its latencies against its
             # targets (in the spread of its requests' latencies): from what is measured at the point in
@@ -1181,11 +1255,11 @@ class ModelPredictivePolicy:
             # share. Not "tiers that meet" (0 or 1 each): with that a tier predicted to miss counted
             # nothing whatever its step, and a loose tier drafting (to meet) at a full batch tripled the
             # step of a tight tier that still met half its requests at k = 0 (set F, session 17).
-            predicted_attainment = _row_sums(attained * shares)
-            weighted_violation = _row_sums(violation * shares)
+            predicted_attainment = _weighted_column_sums(attained, shares)
+            weighted_violation = _weighted_column_sums(violation, shares)
             # Most attainment, then the smallest violation, then the fastest (the cost order lets the
             # loose tiers spend their budget on capacity), then least distortion.
-            keys = [*reversed(distortion_keys), np.round(cost[pool], 2), best_effort_tpot,
+            keys = [*reversed(distortion_keys), np.round(cost[take], 2), best_effort_tpot,
                     np.round(weighted_violation, 2), -np.round(predicted_attainment, 3)]
         chosen = _lexmin(keys)
         best = int(pool[chosen])

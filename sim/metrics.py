@@ -36,10 +36,14 @@ def fast_summary(samples_ms: np.ndarray) -> LatencySummary:
     one sort and an interpolation, which matters at one summary per tier per metric per tick. The
     interpolation is in Python floats (a few dozen samples: cheaper than numpy calls), the same IEEE
     operations numpy's elementwise ones are."""
-    n = samples_ms.size
-    if n == 0:
+    if samples_ms.size == 0:
         return LatencySummary()
-    s = np.sort(samples_ms).tolist()
+    return _sorted_summary(np.sort(samples_ms).tolist())
+
+
+def _sorted_summary(s: list[float]) -> LatencySummary:
+    """:func:`fast_summary` of samples already sorted (non-empty)."""
+    n = len(s)
     last = n - 1
     v = []
     for q in _QUANTILES:
@@ -89,6 +93,88 @@ def slo_met(table: RequestTable, ids: np.ndarray, slo: SLOSpec, latencies: Laten
             ok &= e2e[sel] <= spec.e2e_ms
         met[sel] = ok
     return met
+
+
+def window_summaries(
+    table: RequestTable,
+    done: list[int],
+    slo: SLOSpec,
+    thresholds: dict[str, float],
+    tier_tokens: np.ndarray,
+    tier_distortion: np.ndarray,
+    tier_seq_iters: np.ndarray,
+    draft_lengths: dict[str, int],
+) -> tuple[tuple[LatencySummary, LatencySummary, LatencySummary], dict[str, TierWindow], int] | None:
+    """What a control tick needs of its window's completions ``done`` (ids in ascending order): the
+    overall (TTFT, TPOT, E2E) summaries, :func:`tier_windows`' per-tier windows and the number that met
+    their SLO, in Python floats per request (a window holds a few dozen: cheaper than ~40 numpy calls,
+    and the same IEEE operations as :func:`latencies_ms`, :func:`slo_met` and :func:`fast_summary`).
+    None when a latency is NaN (sorting NaN is numpy's business: use the array functions)."""
+    arrival, first, completion = table.arrival_list, table.first_token_s, table.completion_s
+    output, tier_of = table.output_list, table.tier_list
+    specs = [slo.tiers[name] for name in table.tier_names]
+    n_t = len(specs)
+    ttft_by: list[list[float]] = [[] for _ in range(n_t)]
+    tpot_by: list[list[float]] = [[] for _ in range(n_t)]
+    e2e_by: list[list[float]] = [[] for _ in range(n_t)]
+    met_by = [0] * n_t
+    nan = math.nan
+    for rid in done:
+        a, f, c, n = arrival[rid], float(first[rid]), float(completion[rid]), output[rid]
+        ttft = (f - a) * 1000.0
+        tpot = (c - f) * 1000.0 / max(n - 1, 1) if n > 1 else nan
+        e2e = (c - a) * 1000.0
+        if ttft != ttft or e2e != e2e:
+            return None
+        i = tier_of[rid]
+        spec = specs[i]
+        ok = ((spec.ttft_ms is None or ttft <= spec.ttft_ms)
+              and (spec.tpot_ms is None or tpot != tpot or tpot <= spec.tpot_ms)
+              and (spec.e2e_ms is None or e2e <= spec.e2e_ms))
+        met_by[i] += ok
+        ttft_by[i].append(ttft)
+        e2e_by[i].append(e2e)
+        if tpot == tpot:
+            tpot_by[i].append(tpot)
+
+    def summary(samples: list[float]) -> LatencySummary:
+        return _sorted_summary(sorted(samples)) if samples else LatencySummary()
+
+    total = len(done)
+    overall = (summary([x for t in ttft_by for x in t]), summary([x for t in tpot_by for x in t]),
+               summary([x for t in e2e_by for x in t]))
+    out: dict[str, TierWindow] = {}
+    for i, name in enumerate(table.tier_names):
+        tokens = float(tier_tokens[i])
+        seq_iters = int(round(float(tier_seq_iters[i])))
+        k = draft_lengths.get(name)
+        n_sel = len(ttft_by[i])
+        if not n_sel:
+            out[name] = TierWindow(
+                threshold=thresholds[name],
+                mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
+                output_tokens=int(tokens),
+                draft_length=k,
+                sequence_iterations=seq_iters,
+            )
+            continue
+        if n_sel == total:
+            ttft_s, tpot_s, e2e_s = overall  # the tier has every completion of the window
+        else:
+            ttft_s, tpot_s, e2e_s = summary(ttft_by[i]), summary(tpot_by[i]), summary(e2e_by[i])
+        out[name] = TierWindow(
+            threshold=thresholds[name],
+            completions=n_sel,
+            slo_met=met_by[i],
+            ttft=ttft_s,
+            tpot=tpot_s,
+            e2e=e2e_s,
+            mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
+            output_tokens=int(round(tokens)),
+            draft_length=k,
+            sequence_iterations=seq_iters,
+        )
+    return overall, out, sum(met_by)
 
 
 def tier_windows(

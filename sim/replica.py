@@ -104,6 +104,21 @@ class DecodeSettings:
     _state_tables: dict[tuple[int, ...], _BatchTables] = field(default_factory=dict, init=False, repr=False)
     _state_tables_key: tuple[tuple[float, int], ...] | None = field(default=None, init=False, repr=False)
     _cached_tables: int = field(default=0, init=False, repr=False)
+    # Per (tier of row 0, one tier) for the state_key object it was built for: step_table's tables.
+    _step_tables: dict[tuple[int, bool], _StepTable] = field(default_factory=dict, init=False, repr=False)
+    _step_tables_key: tuple[tuple[float, int], ...] | None = field(default=None, init=False, repr=False)
+
+    def step_table(self, tier: int, one_tier: bool, max_batch: int) -> _StepTable:
+        """The step ms and the step's window-feature columns by rows in it, for a batch whose rows all
+        draft ``tier``'s k (row 0 of ``tier``; ``one_tier``: every row of it). Cached per state."""
+        if self._step_tables_key is not self.state_key:
+            self._step_tables = {}
+            self._step_tables_key = self.state_key
+        key = (tier, one_tier)
+        found = self._step_tables.get(key)
+        if found is None:
+            found = self._step_tables[key] = _StepTable.build(self, tier, one_tier, max_batch)
+        return found
 
     def batch_tables(self, tier_list: list[int]) -> _BatchTables:
         if self._state_tables_key is not self.state_key:
@@ -135,7 +150,7 @@ class _BatchTables:
     survival_asc0: np.ndarray  # [k_pad] row 0's survival ascending (the one-tier search)
     accept: np.ndarray  # [B, k_pad] at the reference batch (per-request draws shift it by odds_centring)
     odds_centring: np.ndarray  # [B] per-request centring times the batch's odds multiplier
-    distortion_per_token: np.ndarray  # [B]
+    distortion_list: list[float]  # [B] mean distortion per token (plain floats: Replica._fold's scalar updates)
     event_p: np.ndarray | None  # [B]
     event_size: np.ndarray | None  # [B]
     row_drafts: np.ndarray  # [B] 1.0 where the row drafts (k > 0)
@@ -178,13 +193,56 @@ class _BatchTables:
             survival_asc0=survival_asc0,
             accept=accept,
             odds_centring=odds_centring,
-            distortion_per_token=s.distortion_by_tier.take(tiers),
+            distortion_list=s.distortion_by_tier.take(tiers).tolist(),
             event_p=None if s.event_p_by_tier is None else s.event_p_by_tier.take(tiers),
             event_size=None if s.event_size_by_tier is None else s.event_size_by_tier.take(tiers),
             grid=grid,
             grid_tokens=grid_tokens.ravel(),
             grid_offsets=np.arange(b, dtype=np.int64) * (g + 1),
         )
+
+
+@dataclass(slots=True)
+class _StepTable:
+    """A uniform-k step by the rows in it (index 0 .. max_batch): its ms, and the window-feature columns
+    that do not come from the tokens' product (rows, drafted tokens, steps, ms, the speculative steps'
+    share, and with one tier its sequence-iterations; zeros elsewhere). Replica.start_segment reads
+    them at each iteration's rows: the values the per-segment column writes computed, with the same
+    operations."""
+
+    ms: np.ndarray  # [max_batch + 1]
+    features: np.ndarray  # [max_batch + 1, F]
+
+    @classmethod
+    def build(cls, s: DecodeSettings, tier: int, one_tier: bool, max_batch: int) -> _StepTable:
+        rows = np.arange(max_batch + 1, dtype=np.int64)
+        k = int(s.k_by_tier[tier])
+        n_t = s.tier_weights.shape[0]
+        uniform_k = 0
+        if s.plain_ms_by_rows is not None and k == 0:
+            ms = np.array(s.plain_ms_by_rows[: max_batch + 1], dtype=float)
+            drafted: np.ndarray = np.zeros(rows.size)
+        else:
+            fixed_ms, per_seq_ms = s.coeffs_by_tier[tier]
+            ms = rows * per_seq_ms
+            ms += fixed_ms
+            drafted = rows * k
+            uniform_k = k
+        features = np.zeros((rows.size, s.tier_weights.shape[1]))
+        features[:, WindowBins.SEQ_ITERS] = rows
+        features[:, WindowBins.ACCEPTED] = -rows  # + the tokens (tier_weights) = tokens − rows, exactly
+        features[:, WindowBins.DRAFTED] = drafted
+        features[:, WindowBins.ITERS] = 1.0
+        features[:, WindowBins.ITER_MS] = ms
+        if uniform_k:
+            features[:, WindowBins.SPEC_ITERS] = 1.0
+            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
+            features[:, WindowBins.SPEC_ROWS] = rows
+            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
+            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = rows * float(uniform_k)
+        if one_tier:
+            features[:, _B + 2 * n_t + tier] = rows
+        return cls(ms=ms, features=features)
 
 
 def survival_grid(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -200,14 +258,14 @@ def survival_grid(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(slots=True)
 class _Segment:
-    ids: np.ndarray  # [B] request ids in the batch (joiners first)
-    id_list: list[int]  # ids as plain ints
+    ids: np.ndarray | None  # [B] request ids in the batch (joiners first); None where nothing needed the array
+    id_list: list[int]  # the ids as plain ints
     remaining: list[int]  # [B] tokens each still had to emit when the segment started
     end_s: list[float]  # [L] absolute end time of each iteration (plain floats: bisected per arrival)
     emitted: np.ndarray  # [L, B] tokens emitted by the end of iteration j (cumulative, clipped)
     finish_iter: list[int]  # [B] iteration at whose end the sequence completes; > L-1 if not in segment
     active_after: list[int]  # [L] sequences still running after iteration j
-    distortion_per_token: np.ndarray  # [B]
+    distortion_list: list[float]  # [B] mean distortion per token of each row (plain floats)
     features: np.ndarray  # [L, F] per-iteration window sums (see WindowBins)
     bins: np.ndarray  # [L] window bin of each iteration
     completions: list[tuple[int, int]]  # (iteration, request id) of the completions inside the draw
@@ -295,11 +353,14 @@ class Replica:
                 decode_left += self.remaining
             else:
                 id_list = new
-        ids = np.array(id_list, dtype=np.int64)
+        # The ids as an array only where a fancy index needs them (per-request acceptance, the draft's
+        # backlog); a few scalar writes beat one fancy-indexed write.
+        ids = np.array(id_list, dtype=np.int64) if table.acceptance_odds is not None or self._draft_prefill else None
         remaining = np.array(decode_left, dtype=np.int64)
-        new_ids = ids[:n_new]
         if n_new:
-            table.start_s[new_ids] = now
+            start_s = table.start_s
+            for rid in new:
+                start_s[rid] = now
         b = n_new + n_run
         tier_of = table.tier_list
         tier_list = [tier_of[i] for i in id_list]
@@ -316,8 +377,11 @@ class Replica:
         k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
         n_iter = h + off
-        cum = np.empty((n_iter, b), dtype=np.int64)
-        dec = cum[off:]
+        # Cumulative tokens with a leading row of zeros (row j + 1 = by the end of iteration j): "alive
+        # before" and "alive after" iteration j, the batch sizes and the tokens per iteration each come
+        # from one call over it instead of a shifted copy.
+        cz = np.zeros((n_iter + 1, b), dtype=np.int64)  # zeros: nothing before iteration 0, nor in a prefill
+        dec = cz[off + 1 :]
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
         tier_set = frozenset(tier_list)
@@ -333,67 +397,106 @@ class Replica:
         else:
             # Each row's own survival S_r (the tier's acceptance shifted by the request's log-odds):
             # tokens = 1 + #{i : u < S_r,i}, the same count as the searches above.
+            assert ids is not None
             row_odds = odds.take(ids) * rows.odds_centring
             survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
             np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
-        if n_new:
-            cum[0] = 0  # the prefill iteration emits nothing
-        np.add.accumulate(cum, axis=0, out=cum)  # tokens drawn by the end of iteration j, unclipped
-        alive = cum < remaining  # [L, B] still running after iteration j
-        emitted = np.minimum(cum, remaining, out=cum)  # clipped at each output length
+        np.add.accumulate(cz, axis=0, out=cz)  # tokens drawn by the end of each iteration, unclipped
+        alive_all = cz < remaining  # [L + 1, B]: row j still running before iteration j (= after j − 1)
+        alive_all[0] = True  # every row runs in the first iteration
+        alive = alive_all[1:]  # [L, B] still running after iteration j
+        alive_before = alive_all[:-1]  # [L, B] rows in iteration j
+        emitted_all = np.minimum(cz, remaining, out=cz)  # clipped at each output length
+        emitted = emitted_all[1:]  # [L, B] by the end of iteration j
         finish_iter = np.add.reduce(alive, axis=0)  # iteration in which each completes (n_iter: not in this draw)
-        active_after = np.add.reduce(alive, axis=1)  # [L]
+        active_all = np.add.reduce(alive_all, axis=1)  # [L + 1]
+        active_before = active_all[:-1]  # [L] rows in iteration j (all b in the first)
+        active_after = active_all[1:]  # [L]
+        tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
+        np.subtract(emitted_all[1:], emitted_all[:-1], out=tokens)
+        # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
+        # row of tier_weights is [1, 0, 1, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
+        features = tokens @ rows.weights  # [L, F]
 
-        # Iteration j runs the sequences active after j − 1 (all b for the first).
-        active_before = np.empty(n_iter, dtype=np.int64)
-        active_before[0] = b
-        active_before[1:] = active_after[:-1]
         n_t = self.bins.n_tiers
-        alive_before: np.ndarray | None = None  # [L, B] rows in iteration j (only for mixed batches)
-        if not one_tier:
-            alive_before = np.empty((n_iter, b))
-            alive_before[0] = 1.0
-            alive_before[1:] = alive[:-1]
-        k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
-        uniform_k = 0  # > 0: every row drafts this k in every iteration (k_max ≡ uniform_k, all speculative)
-        if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
-            dt_ms = settings.plain_ms_by_rows.take(active_before)
-            drafted: np.ndarray = np.zeros(n_iter)
-        elif one_tier or rows.uniform_k:
-            fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
-            dt_ms = active_before * per_seq_ms
-            dt_ms += fixed_ms
-            k = int(rows.row_k[0])
-            drafted = active_before * k
-            uniform_k = k
-        else:
-            assert alive_before is not None
-            # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
-            # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
-            k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
-            drafting_rows = alive_before @ rows.row_drafts
-            drafted = alive_before @ rows.row_k_float
-            dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
-            plain_steps = k_max == 0
-            if plain_steps.any():
-                if settings.plain_ms_by_rows is not None:
-                    dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
-                else:
-                    plain_fixed, plain_per_row = self.latency.plain_coeffs()
-                    dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
-        lag_grows = None
-        catch_up_ms = 0.0
-        if self._draft_prefill:
-            catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
-            dt_ms[off] += catch_up_ms
+        step: _StepTable | None = None
+        if (one_tier or rows.uniform_k) and not self._draft_prefill and not self._exponential_times:
+            # Every row at one k: the step's ms and its columns depend on the rows in it alone; read them
+            # from the per-row-count table (the same values as the general path below, which the product
+            # leaves at 0 in these columns: 0 + x is x).
+            step = settings.step_table(t0, one_tier, self.max_batch)
+        if step is not None:
+            dt_ms = step.ms.take(active_before)
+            features += step.features.take(active_before, axis=0)
             if n_new:
-                dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
-        elif n_new:
-            dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
-        if self._exponential_times:
-            draws = self.rng.exponential(1.0, size=n_iter)
-            dt_ms *= draws
-            catch_up_ms *= float(draws[off])
+                dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
+            lag_grows = None
+        else:
+            k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
+            uniform_k = 0  # > 0: every row drafts this k in every iteration (k_max ≡ uniform_k, all speculative)
+            if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
+                dt_ms = settings.plain_ms_by_rows.take(active_before)
+                drafted: np.ndarray = np.zeros(n_iter)
+            elif one_tier or rows.uniform_k:
+                fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
+                dt_ms = active_before * per_seq_ms
+                dt_ms += fixed_ms
+                k = int(rows.row_k[0])
+                drafted = active_before * k
+                uniform_k = k
+            else:
+                # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
+                # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
+                k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
+                drafting_rows = alive_before @ rows.row_drafts
+                drafted = alive_before @ rows.row_k_float
+                dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
+                plain_steps = k_max == 0
+                if plain_steps.any():
+                    if settings.plain_ms_by_rows is not None:
+                        dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
+                    else:
+                        plain_fixed, plain_per_row = self.latency.plain_coeffs()
+                        dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
+            lag_grows = None
+            catch_up_ms = 0.0
+            if self._draft_prefill:
+                assert ids is not None
+                catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
+                dt_ms[off] += catch_up_ms
+                if n_new:
+                    dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
+            elif n_new:
+                dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
+            if self._exponential_times:
+                draws = self.rng.exponential(1.0, size=n_iter)
+                dt_ms *= draws
+                catch_up_ms *= float(draws[off])
+            features[:, WindowBins.SEQ_ITERS] = active_before
+            features[:, WindowBins.DRAFTED] = drafted
+            features[:, WindowBins.ITERS] = 1.0
+            features[:, WindowBins.ITER_MS] = dt_ms
+            if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
+                features[off, WindowBins.ITER_MS] -= catch_up_ms
+            if uniform_k:  # as below with k_max ≡ k: x · 1.0 and k · rows are the same values
+                features[:, WindowBins.SPEC_ITERS] = 1.0
+                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
+                features[:, WindowBins.SPEC_ROWS] = active_before
+                features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
+                features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = active_before * float(uniform_k)
+            elif k_max is not None:  # the speculative steps apart, with what the step model needs of each
+                speculative = k_max > 0
+                features[:, WindowBins.SPEC_ITERS] = speculative
+                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
+                features[:, WindowBins.SPEC_ROWS] = active_before * speculative
+                features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
+                features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
+            if one_tier:
+                features[:, _B + 2 * n_t + t0] = active_before
+            # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
+            # iteration is clipped at its output length, which undercounts that iteration's accepts.
+            # (The step table adds −rows to the tokens the product put in this column: the same value.)
+            np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
         end_s = np.add.accumulate(dt_ms)
         end_s /= 1000.0
         end_s += now
@@ -403,34 +506,7 @@ class Replica:
         j = int(stop.argmax())
         length = j + 1 if stop[j] else n_iter
 
-        # Per-iteration window sums (feature layout: see WindowBins) in one product: each sequence's
-        # row of tier_weights is [1, 0, 0, d_τ, 0, 0, 0, 0, onehot(τ), d_τ·onehot(τ), 0] for its tier τ.
-        tokens = np.empty((n_iter, b))  # [L, B] emitted in iteration j
-        tokens[0] = emitted[0]
-        np.subtract(emitted[1:], emitted[:-1], out=tokens[1:])
-        features = tokens @ rows.weights  # [L, F]
-        features[:, WindowBins.SEQ_ITERS] = active_before
-        features[:, WindowBins.DRAFTED] = drafted
-        features[:, WindowBins.ITERS] = 1.0
-        features[:, WindowBins.ITER_MS] = dt_ms
-        if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
-            features[off, WindowBins.ITER_MS] -= catch_up_ms
-        if uniform_k:  # as below with k_max ≡ k: x · 1.0 and k · rows are the same values
-            features[:, WindowBins.SPEC_ITERS] = 1.0
-            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
-            features[:, WindowBins.SPEC_ROWS] = active_before
-            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
-            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = active_before * float(uniform_k)
-        elif k_max is not None:  # the speculative steps apart, with what the step model needs of each
-            speculative = k_max > 0
-            features[:, WindowBins.SPEC_ITERS] = speculative
-            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
-            features[:, WindowBins.SPEC_ROWS] = active_before * speculative
-            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
-            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
-        if alive_before is None:
-            features[:, _B + 2 * n_t + t0] = active_before
-        else:
+        if not one_tier:
             features[:, _B + 2 * n_t :] = alive_before @ rows.onehot
         distortion_rows = None
         if rows.event_p is not None and rows.event_size is not None:
@@ -438,9 +514,6 @@ class Replica:
             distortion_rows = events * rows.event_size
             features[:, WindowBins.DISTORTION] = distortion_rows.sum(axis=1)
             features[:, _B + n_t : _B + 2 * n_t] = distortion_rows @ rows.onehot
-        # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
-        # iteration is clipped at its output length, which undercounts that iteration's accepts.
-        np.subtract(features[:, 0], active_before, out=features[:, WindowBins.ACCEPTED])
         if n_new:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
             features[0, WindowBins.PREFILL_MS] = dt_ms[0]
@@ -449,7 +522,9 @@ class Replica:
 
         end_list: list[float] = end_s.tolist()
         if n_new:
-            table.first_token_s[new_ids] = end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
+            first_token_s, first_s = table.first_token_s, end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
+            for rid in new:
+                first_token_s[rid] = first_s
         # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
         finish_list = finish_iter.tolist()
         completions = [(it, rid) for it, rid in zip(finish_list, id_list, strict=True) if it < length]
@@ -469,7 +544,7 @@ class Replica:
             emitted,
             finish_list,
             active_after.tolist(),
-            rows.distortion_per_token,
+            rows.distortion_list,
             features,
             bins,
             completions,
@@ -551,7 +626,9 @@ class Replica:
                         completion_s[rid] = np.nan
                 seg.completions = kept
         if new_length < 2 and seg.n_new:  # the joiners' first decode iteration did not happen
-            self.table.first_token_s[seg.ids[: seg.n_new]] = np.nan
+            first_token_s = self.table.first_token_s
+            for rid in seg.id_list[: seg.n_new]:
+                first_token_s[rid] = np.nan
         seg.length = new_length
 
     def finish_segment(self, settings: DecodeSettings) -> float | None:
@@ -579,20 +656,27 @@ class Replica:
     def _fold(self, seg: _Segment) -> None:
         n = seg.length
         table = self.table
-        ids = seg.ids
         if n:
             per_seq = seg.emitted[n - 1]
-            table.emitted[ids] += per_seq
+            per_seq_list: list[int] = per_seq.tolist()
+            # A few rows: scalar updates beat fancy-indexed ones (the same IEEE operations, e · d then +).
+            emitted, distortion_sum = table.emitted, table.distortion_sum
             if seg.distortion_rows is None:
-                table.distortion_sum[ids] += per_seq * seg.distortion_per_token
+                for rid, e, d in zip(seg.id_list, per_seq_list, seg.distortion_list, strict=True):
+                    emitted[rid] += e
+                    distortion_sum[rid] += e * d
             else:
-                table.distortion_sum[ids] += seg.distortion_rows[:n].sum(axis=0)
+                for rid, e, d in zip(seg.id_list, per_seq_list, seg.distortion_rows[:n].sum(axis=0).tolist(),
+                                     strict=True):
+                    emitted[rid] += e
+                    distortion_sum[rid] += d
             if seg.lag_grows is not None and seg.lag_grows.any():
-                table.draft_lag[ids[seg.lag_grows]] += per_seq[seg.lag_grows]
+                assert seg.ids is not None  # drawn with the draft's backlog: the array was built
+                table.draft_lag[seg.ids[seg.lag_grows]] += per_seq[seg.lag_grows]
             self.iterations += n - 1 if seg.n_new else n
             finish = seg.finish_iter
             self.running = [rid for rid, f in zip(seg.id_list, finish, strict=True) if f >= n]
-            self.remaining = [left - e for left, e, f in zip(seg.remaining, per_seq.tolist(), finish, strict=True)
+            self.remaining = [left - e for left, e, f in zip(seg.remaining, per_seq_list, finish, strict=True)
                               if f >= n]
         else:
             self.running, self.remaining = seg.id_list, seg.remaining

@@ -26,7 +26,7 @@ from policies.tiers import apply_decision
 from sim.autoscaler import Autoscaler, AutoscalerConfig, replica_startup_s
 from sim.entities import EventCounters, RequestTable, WindowBins
 from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
-from sim.metrics import fast_summary, latencies_ms, slo_met, summarize, tier_windows
+from sim.metrics import fast_summary, latencies_ms, slo_met, summarize, tier_windows, window_summaries
 from sim.profile import Profile
 from sim.replica import DecodeSettings, Replica, ReplicaState, survival_grid
 from sim.workload import Requests, Workload
@@ -240,6 +240,9 @@ class Simulator:
         base = WindowBins.BASE
         w = np.zeros((n_t, base + 3 * n_t))
         w[:, WindowBins.TOKENS] = 1.0
+        # The tokens again: a uniform-k step adds −rows to this column (DecodeSettings.step_table), the
+        # general path overwrites it with tokens − rows.
+        w[:, WindowBins.ACCEPTED] = 1.0
         w[:, WindowBins.DISTORTION] = s.distortion_by_tier
         w[:, base : base + n_t] = np.eye(n_t)
         w[:, base + n_t : base + 2 * n_t] = np.diag(s.distortion_by_tier)
@@ -433,32 +436,36 @@ class Simulator:
         seq_iters = float(sums[WindowBins.SEQ_ITERS])
         accepted = float(sums[WindowBins.ACCEPTED])
         distortion = float(sums[WindowBins.DISTORTION])
-        # Completions registered in this bin, minus any a truncation voided or moved.
-        cand = self.bins.take_completions(w)
-        if cand.size:
-            c = self.table.completion_s[cand]
-            # A few ids, sorted and unique (cheaper than np.unique at this size).
-            cand = np.array(sorted(set(cand[(c > self._last_tick_s) & (c <= now)].tolist())), dtype=np.int64)
-        done = cand
-        ttft, tpot, e2e = latencies = latencies_ms(self.table, done)
-        overall = (fast_summary(ttft), fast_summary(tpot[~np.isnan(tpot)]), fast_summary(e2e))
+        # Completions registered in this bin, minus any a truncation voided or moved: a few ids, sorted
+        # and unique (cheaper than np.unique at this size).
+        completion_s, last = self.table.completion_s, self._last_tick_s
+        done_list = sorted({rid for rid in self.bins.completed.pop(w, ()) if last < completion_s[rid] <= now})
         bins = self.bins
-        tiers, met = tier_windows(self.table, done, self.slo, self.thresholds, sums[bins.tier_tokens],
-                                  sums[bins.tier_distortion], latencies, overall,
-                                  tier_seq_iters=sums[bins.tier_seq_iters], draft_lengths=self.draft_lengths)
+        fast = window_summaries(self.table, done_list, self.slo, self.thresholds, sums[bins.tier_tokens],
+                                sums[bins.tier_distortion], sums[bins.tier_seq_iters], self.draft_lengths)
+        if fast is not None:
+            overall, tiers, n_met = fast
+        else:  # a NaN latency: the array functions
+            done = np.array(done_list, dtype=np.int64)
+            ttft, tpot, e2e = latencies = latencies_ms(self.table, done)
+            overall = (fast_summary(ttft), fast_summary(tpot[~np.isnan(tpot)]), fast_summary(e2e))
+            tiers, met = tier_windows(self.table, done, self.slo, self.thresholds, sums[bins.tier_tokens],
+                                      sums[bins.tier_distortion], latencies, overall,
+                                      tier_seq_iters=sums[bins.tier_seq_iters], draft_lengths=self.draft_lengths)
+            n_met = int(met.sum())
         iters = float(sums[WindowBins.ITERS])
         drafted = float(sums[WindowBins.DRAFTED])
         spec_iters, spec_ms = float(sums[WindowBins.SPEC_ITERS]), float(sums[WindowBins.SPEC_MS])
         spec_rows = float(sums[WindowBins.SPEC_ROWS])
         queue_per = tuple([len(r.queue) for r in self._live()])
-        self._completed_total += int(done.size)
+        self._completed_total += len(done_list)
         in_flight = self.counters.admitted_total - self._completed_total
         k = self.k
         tel = Telemetry(
             time_s=now,
             window_s=window_s,
             arrivals=self.counters.arrivals,
-            completions=int(done.size),
+            completions=len(done_list),
             rejections=self.counters.rejections,
             queue_depth=sum(queue_per),
             queue_depth_per_replica=queue_per,
@@ -486,7 +493,7 @@ class Simulator:
             age_s=self.config.telemetry_age_s,
             tiers=tiers,
         )
-        self._record_tick(tel, int(met.sum()))
+        self._record_tick(tel, n_met)
         return tel
 
     def _record_tick(self, tel: Telemetry, met: int) -> None:

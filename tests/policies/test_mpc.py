@@ -283,6 +283,61 @@ def test_fast_lexmin_and_row_sums_match_numpy_bit_for_bit() -> None:
         assert np.array_equal(_row_sums(a), a.sum(axis=1)), f"{cols} columns"
 
 
+def _anchored_z_reference(ratios_now: list[float], spreads: list[float], measured: float) -> float:
+    """The bisection as it was written before its factors were inlined (session 20)."""
+    from policies.mpc import _phi
+
+    target = min(max(measured, 0.02), 0.98)
+    logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
+    lo, hi = -40.0, 40.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if math.prod(_phi(mid - x) for x in logs) < target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def test_anchored_z_matches_the_product_form_bit_for_bit() -> None:
+    from policies.mpc import _anchored_z
+
+    rng = np.random.default_rng(11)
+    for trial in range(3000):
+        n = int(rng.integers(0, 4))
+        # Ratios from far inside to far past the target (the clip at ±30 binds at both ends).
+        ratios = (np.exp(rng.normal(0.0, 3.0, n)) * rng.choice([1e-12, 1.0, 1e12], n)).tolist()
+        spreads = rng.uniform(0.05, 1.5, n).tolist()
+        measured = float(rng.choice([rng.random(), 0.0, 1.0, 0.5]))
+        got, want = _anchored_z(ratios, spreads, measured), _anchored_z_reference(ratios, spreads, measured)
+        assert got == want or (math.isnan(got) and math.isnan(want)), f"trial {trial}"
+
+
+def test_current_index_per_tier_matches_the_joint_scan() -> None:
+    """decide() finds the (T, k) in force among the joint candidates from each tier's candidates (the
+    universe's tier_points); the scan over the joint table is the reference."""
+    slo = make_slo(standard={"max_mean_distortion": 0.05}, economy={"max_mean_distortion": 0.2})
+    policy = ModelPredictivePolicy(slo, toy_model())
+    rng = np.random.default_rng(5)
+    n_t = len(policy.tier_names)
+    for trial in range(400):
+        act = tuple(sorted(rng.choice(n_t, size=int(rng.integers(1, n_t + 1)), replace=False).tolist()))
+        cands = [policy._candidates[policy.tier_names[i]] for i in act]
+        kept = None if trial % 2 else tuple(
+            tuple(sorted(rng.choice(c.ks.size, size=int(rng.integers(1, c.ks.size + 1)), replace=False).tolist()))
+            for c in cands)
+        u = policy._universe(act, kept)
+        policy.current = {}
+        for i, c in zip(act, cands, strict=True):
+            j = int(rng.integers(0, c.ks.size))
+            # Mostly a candidate (kept or not), sometimes a T off the grid or a k the model lacks.
+            t = float(c.thresholds[j]) + (0.0 if rng.random() < 0.8 else float(rng.choice([1e-10, 1e-3])))
+            k = int(c.ks[j]) if rng.random() < 0.9 else 99
+            if rng.random() < 0.95:
+                policy.current[policy.tier_names[i]] = (t, k)
+        if trial % 50 == 0:
+            policy.current = {}
+        want = policy._current_index(u.ks, u.thresholds, act)
+        assert policy._current_index(u.ks, u.thresholds, act, u.tier_points) == want, f"trial {trial}"
+
+
 def test_budget_pruned_search_chooses_what_the_full_search_chooses() -> None:
     """decide() evaluates only the product of each tier's within-budget candidates; the reference path
     evaluates every joint candidate and masks the out-of-budget ones. Same telemetry ⇒ same decisions,

@@ -4,10 +4,18 @@ reproducible across speed work, and a policy sees the same telemetry."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from sim.entities import WindowBins
-from sim.metrics import fast_summary
-from sim.replica import survival_grid
+from policies.decision import Decision
+from policies.slo import SLOSpec
+from policies.telemetry import Telemetry
+from sim.entities import RequestTable, WindowBins
+from sim.metrics import fast_summary, latencies_ms, tier_windows, window_summaries
+from sim.profile import Profile
+from sim.replica import DecodeSettings, survival_grid
+from sim.simulator import SimConfig, SimResult, Simulator
+from sim.workload import Requests
+from tests.sim.conftest import handmade_profile, make_workload
 
 
 def test_window_bins_fold_matches_add_at_bit_for_bit() -> None:
@@ -65,3 +73,96 @@ def test_fast_summary_matches_the_numpy_interpolation() -> None:
         samples = rng.lognormal(4.0, 1.0, n)
         got = fast_summary(samples)
         assert (got.count, got.p50_ms, got.p90_ms, got.p95_ms, got.p99_ms) == _numpy_summary(samples)
+
+
+class _Cycling:
+    """Every tier's (T, k) redrawn at random on a third of the ticks: uniform-k batches, mixed-k ones,
+    plain (k = 0) ones and truncations by decisions, all in one run."""
+
+    def __init__(self, slo: SLOSpec, ks: tuple[int, ...], seed: int) -> None:
+        self.slo, self.ks, self.seed = slo, ks, seed
+        self.reset()
+
+    def reset(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    def decide(self, telemetry: Telemetry) -> Decision:
+        if self.rng.random() < 0.66:
+            return Decision()
+        names = list(self.slo.tiers)
+        # Often one k for every tier (uniform-k batches of several tiers), else one k per tier.
+        ks = [int(self.rng.choice(self.ks))] * len(names) if self.rng.random() < 0.5 else [
+            int(self.rng.choice(self.ks)) for _ in names]
+        return Decision(thresholds={n: float(self.rng.choice([0.0, 0.3, 1.0, 4.0])) for n in names},
+                        draft_lengths=dict(zip(names, ks, strict=True)))
+
+
+def _plain_table_profile() -> Profile:
+    base = handmade_profile()
+    return Profile.model_validate({**base.model_dump(), "latency": {
+        **base.latency.model_dump(), "plain_step_a_ms": 22.0, "plain_step_b_ms": 1.0,
+        "plain_step_ms_by_batch": [10.0, 16.0, 19.0, 20.0]}})
+
+
+def _run(profile: Profile, seed: int) -> tuple[SimResult, int]:
+    slo = SLOSpec.default()
+    workload = make_workload(duration_s=120.0, arrivals={"kind": "poisson", "rate": 6.0},
+                             output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.6, "max": 400},
+                             tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
+    sim = Simulator(SimConfig(seed=seed, replicas=3, max_batch=6), profile, slo, workload,
+                    _Cycling(slo, tuple(profile.available_draft_lengths(profile.default_div)), seed))
+    return sim.run(), sum(r.segments_drawn for r in sim.replicas)
+
+
+@pytest.mark.parametrize("profile_name", ["handmade", "plain_table", "calibrated"])
+def test_step_tables_give_the_column_writes_results(profile_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A uniform-k segment reads its step ms and step columns from DecodeSettings.step_table; without
+    the tables (the general path) every record, tick and summary is the same, bit for bit."""
+    profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile,
+               "calibrated": Profile.default}[profile_name]()
+    fast = [_run(profile, seed) for seed in (1, 2)]
+    monkeypatch.setattr(DecodeSettings, "step_table", lambda *args: None)
+    slow = [_run(profile, seed) for seed in (1, 2)]
+    for (a, segments_a), (b, segments_b) in zip(fast, slow, strict=True):
+        assert segments_a == segments_b > 100
+        for key, column in a.records.items():
+            assert column.tobytes() == b.records[key].tobytes(), key
+        assert a.timeseries.keys() == b.timeseries.keys()
+        for key, series in a.timeseries.items():
+            assert np.array(series).tobytes() == np.array(b.timeseries[key]).tobytes(), key
+        assert a.summary == b.summary or repr(a.summary) == repr(b.summary)
+
+
+def test_window_summaries_match_the_array_functions() -> None:
+    """A control tick's completions summarised in Python floats per request: the same summaries, tier
+    windows and met count as latencies_ms / fast_summary / tier_windows, bit for bit (reprs compared:
+    NaN and the sign of zero included)."""
+    rng = np.random.default_rng(17)
+    slo = SLOSpec.default()
+    names = tuple(slo.tiers)
+    n = 400
+    arrival = np.sort(rng.random(n) * 100.0)
+    requests = Requests(arrival_s=arrival, prompt_tokens=rng.integers(1, 500, n),
+                        output_tokens=rng.choice([1, 2, 3, 50, 200], n), tier=rng.integers(0, len(names), n).astype(np.int16),
+                        tier_names=names)
+    table = RequestTable(requests)
+    table.first_token_s = arrival + rng.exponential(0.5, n) * rng.choice([1e-3, 1.0, 10.0], n)
+    # Completions from at the first token (two tokens in one step: TPOT 0) to far past every target.
+    table.completion_s = table.first_token_s + rng.exponential(5.0, n) * rng.choice([0.0, 1.0, 30.0], n)
+    thresholds = {name: float(rng.random()) for name in names}
+    draft_lengths = {name: int(rng.integers(0, 5)) for name in names}
+    for trial in range(300):
+        done = sorted(rng.choice(n, size=int(rng.integers(0, 40)), replace=False).tolist())
+        if trial % 5 == 0:  # one tier alone (it holds every completion: the overall summaries serve)
+            done = [rid for rid in done if table.tier_list[rid] == trial % len(names)]
+        sums = rng.random((3, len(names))) * rng.choice([0.0, 1.0, 1e3])
+        fast = window_summaries(table, done, slo, thresholds, sums[0], sums[1], sums[2], draft_lengths)
+        assert fast is not None
+        ids = np.array(done, dtype=np.int64)
+        ttft, tpot, e2e = latencies = latencies_ms(table, ids)
+        overall = (fast_summary(ttft), fast_summary(tpot[~np.isnan(tpot)]), fast_summary(e2e))
+        tiers, met = tier_windows(table, ids, slo, thresholds, sums[0], sums[1], latencies, overall,
+                                  tier_seq_iters=sums[2], draft_lengths=draft_lengths)
+        assert repr(fast) == repr((overall, tiers, int(met.sum()))), f"trial {trial}"
+    table.first_token_s[3] = np.nan  # a NaN latency: left to the array functions
+    assert window_summaries(table, [3], slo, thresholds, sums[0], sums[1], sums[2], draft_lengths) is None

@@ -95,6 +95,21 @@ def slo_met(table: RequestTable, ids: np.ndarray, slo: SLOSpec, latencies: Laten
     return met
 
 
+def _tier_window(threshold: float, tokens: float, distortion: float, k: int | None, seq_iters: int,
+                 completions: int = 0, slo_met: int = 0,
+                 summaries: tuple[LatencySummary, LatencySummary, LatencySummary] | None = None) -> TierWindow:
+    """One tier's slice of a window: its counters, and its completions' (TTFT, TPOT, E2E) summaries when it has
+    completions (``summaries``)."""
+    mean_distortion = float(distortion / tokens) if tokens > 0 else 0.0
+    if summaries is None:
+        return TierWindow(threshold=threshold, mean_distortion=mean_distortion, output_tokens=int(tokens),
+                          draft_length=k, sequence_iterations=seq_iters)
+    ttft, tpot, e2e = summaries
+    return TierWindow(threshold=threshold, completions=completions, slo_met=slo_met, ttft=ttft, tpot=tpot, e2e=e2e,
+                      mean_distortion=mean_distortion, output_tokens=int(round(tokens)), draft_length=k,
+                      sequence_iterations=seq_iters)
+
+
 def window_summaries(
     table: RequestTable,
     done: list[int],
@@ -150,30 +165,14 @@ def window_summaries(
         k = draft_lengths.get(name)
         n_sel = len(ttft_by[i])
         if not n_sel:
-            out[name] = TierWindow(
-                threshold=thresholds[name],
-                mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
-                output_tokens=int(tokens),
-                draft_length=k,
-                sequence_iterations=seq_iters,
-            )
+            out[name] = _tier_window(thresholds[name], tokens, tier_distortion[i], k, seq_iters)
             continue
         if n_sel == total:
-            ttft_s, tpot_s, e2e_s = overall  # the tier has every completion of the window
+            summaries = overall  # the tier has every completion of the window
         else:
-            ttft_s, tpot_s, e2e_s = summary(ttft_by[i]), summary(tpot_by[i]), summary(e2e_by[i])
-        out[name] = TierWindow(
-            threshold=thresholds[name],
-            completions=n_sel,
-            slo_met=met_by[i],
-            ttft=ttft_s,
-            tpot=tpot_s,
-            e2e=e2e_s,
-            mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
-            output_tokens=int(round(tokens)),
-            draft_length=k,
-            sequence_iterations=seq_iters,
-        )
+            summaries = summary(ttft_by[i]), summary(tpot_by[i]), summary(e2e_by[i])
+        out[name] = _tier_window(thresholds[name], tokens, tier_distortion[i], k, seq_iters, n_sel, met_by[i],
+                                 summaries)
     return overall, out, sum(met_by)
 
 
@@ -205,34 +204,16 @@ def tier_windows(
         seq_iters = int(round(float(tier_seq_iters[i]))) if tier_seq_iters is not None else 0
         k = draft_lengths.get(name) if draft_lengths is not None else None
         if not completed_ids.size or not (sel := tiers == i).any():
-            out[name] = TierWindow(
-                threshold=thresholds[name],
-                mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
-                output_tokens=int(tokens),
-                draft_length=k,
-                sequence_iterations=seq_iters,
-            )
+            out[name] = _tier_window(thresholds[name], tokens, tier_distortion[i], k, seq_iters)
             continue
         n_sel = int(sel.sum())
         if overall is not None and n_sel == completed_ids.size:
-            ttft_s, tpot_s, e2e_s = overall  # the tier has every completion of the window
+            summaries = overall  # the tier has every completion of the window
         else:
             tpot_sel = tpot[sel]
-            ttft_s = fast_summary(ttft[sel])
-            tpot_s = fast_summary(tpot_sel[~np.isnan(tpot_sel)])
-            e2e_s = fast_summary(e2e[sel])
-        out[name] = TierWindow(
-            threshold=thresholds[name],
-            completions=n_sel,
-            slo_met=int(met[sel].sum()),
-            ttft=ttft_s,
-            tpot=tpot_s,
-            e2e=e2e_s,
-            mean_distortion=float(tier_distortion[i] / tokens) if tokens > 0 else 0.0,
-            output_tokens=int(round(tokens)),
-            draft_length=k,
-            sequence_iterations=seq_iters,
-        )
+            summaries = fast_summary(ttft[sel]), fast_summary(tpot_sel[~np.isnan(tpot_sel)]), fast_summary(e2e[sel])
+        out[name] = _tier_window(thresholds[name], tokens, tier_distortion[i], k, seq_iters, n_sel,
+                                 int(met[sel].sum()), summaries)
     return out, met
 
 

@@ -293,25 +293,27 @@ def _ewma(old: float, new: float, alpha: float) -> float:
     return new if not math.isfinite(old) else alpha * new + (1.0 - alpha) * old
 
 
+def _sum_left_to_right(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """Elementwise ``columns[0] + columns[1] + …``, added left to right as numpy's row sum adds fewer than 8
+    terms (so bit for bit ``np.stack(columns, axis=1).sum(axis=1)`` for them), without its per-row loop."""
+    total = np.array(columns[0], dtype=float)  # a copy: callers may work on the sum in place
+    for column in columns[1:]:
+        total = total + column
+    return total
+
+
 def _row_sums(a: np.ndarray) -> np.ndarray:
-    """``a.sum(axis=1)`` for a 2-D ``a``, bit for bit, faster on few columns: numpy adds fewer than 8
-    terms left to right, and column adds avoid its per-row loop (~6x on [2356, 3])."""
+    """``a.sum(axis=1)`` for a 2-D ``a``, bit for bit, faster on few columns (~6x on [2356, 3])."""
     if a.shape[1] == 0 or a.shape[1] >= 8:
         return np.asarray(a.sum(axis=1), dtype=float)
-    total = a[:, 0].astype(float)
-    for i in range(1, a.shape[1]):
-        total = total + a[:, i]
-    return total
+    return _sum_left_to_right([a[:, i] for i in range(a.shape[1])])
 
 
 def _weighted_column_sums(columns: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
     """``_row_sums(np.stack(columns, axis=1) * weights)``, bit for bit, without building the matrix."""
-    if len(columns) == 0 or len(columns) >= 8:
-        return _row_sums(np.stack(columns, axis=1) * weights) if columns else np.zeros(0)
-    total = columns[0] * weights[0]
-    for i in range(1, len(columns)):
-        total = total + columns[i] * weights[i]
-    return np.asarray(total, dtype=float)
+    if len(columns) >= 8:
+        return _row_sums(np.stack(columns, axis=1) * weights)
+    return _sum_left_to_right([column * weight for column, weight in zip(columns, weights, strict=True)])
 
 
 #: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
@@ -340,21 +342,9 @@ def _anchored_z(ratios_now: Sequence[float], spreads: Sequence[float], measured:
     logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
     lo, hi = -40.0, 40.0
     # Scalar (numpy calls here cost the control tick ~0.7 ms a tier, session 17), and _phi inlined: 30
-    # steps × one or two factors run three times a tick. The same operations as
+    # steps × one or two factors, three times a tick. The same operations as
     # ``math.prod(_phi(mid - x) for x in logs)`` (prod starts from the int 1, and 1 · p is p).
     exp, c = math.exp, -_LOGISTIC
-    if len(logs) == 2:  # TTFT and TPOT targets, the usual tier: the loop below unrolled
-        x0, x1 = logs
-        for _ in range(30):
-            mid = 0.5 * (lo + hi)
-            v0, v1 = mid - x0, mid - x1
-            v0 = -30.0 if v0 < -30.0 else 30.0 if v0 > 30.0 else v0
-            v1 = -30.0 if v1 < -30.0 else 30.0 if v1 > 30.0 else v1
-            if (1.0 / (1.0 + exp(c * v0))) * (1.0 / (1.0 + exp(c * v1))) < target:
-                lo = mid
-            else:
-                hi = mid
-        return 0.5 * (lo + hi)
     for _ in range(30):
         mid = 0.5 * (lo + hi)
         prod = 1.0

@@ -419,80 +419,60 @@ class Replica:
         features = tokens @ rows.weights  # [L, F]
 
         n_t = self.bins.n_tiers
-        step: _StepTable | None = None
-        if (one_tier or rows.uniform_k) and not self._draft_prefill and not self._exponential_times:
+        uniform = one_tier or rows.uniform_k
+        k_max: np.ndarray | None = None  # [L] draft forwards per iteration (mixed batches only)
+        if uniform:
             # Every row at one k: the step's ms and its columns depend on the rows in it alone; read them
-            # from the per-row-count table (the same values as the general path below, which the product
-            # leaves at 0 in these columns: 0 + x is x).
+            # from the per-row-count table (the product leaves those columns at 0, and 0 + x is x).
             step = settings.step_table(t0, one_tier, self.max_batch)
-        if step is not None:
             dt_ms = step.ms.take(active_before)
             features += step.features.take(active_before, axis=0)
-            if n_new:
-                dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
-            lag_grows = None
         else:
-            k_max: np.ndarray | None = None  # [L] draft forwards per iteration (None: every iteration plain)
-            uniform_k = 0  # > 0: every row drafts this k in every iteration (k_max ≡ uniform_k, all speculative)
-            if (one_tier or rows.uniform_k) and settings.plain_ms_by_rows is not None and int(rows.row_k[0]) == 0:
-                dt_ms = settings.plain_ms_by_rows.take(active_before)
-                drafted: np.ndarray = np.zeros(n_iter)
-            elif one_tier or rows.uniform_k:
-                fixed_ms, per_seq_ms = settings.coeffs_by_tier[t0]
-                dt_ms = active_before * per_seq_ms
-                dt_ms += fixed_ms
-                k = int(rows.row_k[0])
-                drafted = active_before * k
-                uniform_k = k
-            else:
-                # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
-                # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
-                k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
-                drafting_rows = alive_before @ rows.row_drafts
-                drafted = alive_before @ rows.row_k_float
-                dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
-                plain_steps = k_max == 0
-                if plain_steps.any():
-                    if settings.plain_ms_by_rows is not None:
-                        dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
-                    else:
-                        plain_fixed, plain_per_row = self.latency.plain_coeffs()
-                        dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
-            lag_grows = None
-            catch_up_ms = 0.0
-            if self._draft_prefill:
-                assert ids is not None
-                catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
-                dt_ms[off] += catch_up_ms
-                if n_new:
-                    dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
-            elif n_new:
-                dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
-            if self._exponential_times:
-                draws = self.rng.exponential(1.0, size=n_iter)
-                dt_ms *= draws
-                catch_up_ms *= float(draws[off])
+            # The mixed model (LatencyModel.mixed_coeffs) over the rows each iteration still holds: once
+            # the last drafting row is done the step is a plain one, and k_max is the running rows' largest.
+            k_max = np.maximum.reduce(alive_before * rows.row_k_float, axis=1)
+            drafting_rows = alive_before @ rows.row_drafts
+            drafted = alive_before @ rows.row_k_float
+            dt_ms = self.latency.speculative_step_ms(active_before, drafted, k_max, drafting_rows)
+            plain_steps = k_max == 0
+            if plain_steps.any():
+                if settings.plain_ms_by_rows is not None:
+                    dt_ms[plain_steps] = settings.plain_ms_by_rows.take(active_before[plain_steps])
+                else:
+                    plain_fixed, plain_per_row = self.latency.plain_coeffs()
+                    dt_ms[plain_steps] = plain_fixed + plain_per_row * active_before[plain_steps]
+        lag_grows = None
+        catch_up_ms = 0.0
+        if self._draft_prefill:
+            assert ids is not None
+            catch_up_ms, drafting_tokens, lag_grows = self._draft_backlog(ids, n_new, rows.row_k)
+            dt_ms[off] += catch_up_ms
+            if n_new:
+                dt_ms[0] = self.latency.prefill_ms(prefill_tokens, drafting_tokens)
+        elif n_new:
+            dt_ms[0] = self.latency.prefill_ms(prefill_tokens)
+        if self._exponential_times:
+            draws = self.rng.exponential(1.0, size=n_iter)
+            dt_ms *= draws
+            catch_up_ms *= float(draws[off])
+        if not uniform or catch_up_ms or self._exponential_times:
+            # The steps' times as drawn (the table holds the model's); as the engine reports it, the
+            # catch-up is not a decode step's time.
+            features[:, WindowBins.ITER_MS] = dt_ms
+            if catch_up_ms:
+                features[off, WindowBins.ITER_MS] -= catch_up_ms
+            if uniform and int(rows.row_k[0]) > 0:
+                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
+        if k_max is not None:  # a mixed batch: its step columns, the speculative steps apart
             features[:, WindowBins.SEQ_ITERS] = active_before
             features[:, WindowBins.DRAFTED] = drafted
             features[:, WindowBins.ITERS] = 1.0
-            features[:, WindowBins.ITER_MS] = dt_ms
-            if catch_up_ms:  # as the engine reports it: the catch-up is not a decode step's time
-                features[off, WindowBins.ITER_MS] -= catch_up_ms
-            if uniform_k:  # as below with k_max ≡ k: x · 1.0 and k · rows are the same values
-                features[:, WindowBins.SPEC_ITERS] = 1.0
-                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS]
-                features[:, WindowBins.SPEC_ROWS] = active_before
-                features[:, WindowBins.SPEC_DRAFT_FORWARDS] = float(uniform_k)
-                features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = active_before * float(uniform_k)
-            elif k_max is not None:  # the speculative steps apart, with what the step model needs of each
-                speculative = k_max > 0
-                features[:, WindowBins.SPEC_ITERS] = speculative
-                features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
-                features[:, WindowBins.SPEC_ROWS] = active_before * speculative
-                features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
-                features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
-            if one_tier:
-                features[:, _B + 2 * n_t + t0] = active_before
+            speculative = k_max > 0
+            features[:, WindowBins.SPEC_ITERS] = speculative
+            features[:, WindowBins.SPEC_MS] = features[:, WindowBins.ITER_MS] * speculative
+            features[:, WindowBins.SPEC_ROWS] = active_before * speculative
+            features[:, WindowBins.SPEC_DRAFT_FORWARDS] = k_max
+            features[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS] = k_max * drafting_rows
             # Accepted drafts = decode tokens − sequences (one target token each); a sequence's last
             # iteration is clipped at its output length, which undercounts that iteration's accepts.
             # (The step table adds −rows to the tokens the product put in this column: the same value.)

@@ -12,7 +12,7 @@ from policies.telemetry import Telemetry
 from sim.entities import RequestTable, WindowBins
 from sim.metrics import fast_summary, latencies_ms, tier_windows, window_summaries
 from sim.profile import Profile
-from sim.replica import DecodeSettings, survival_grid
+from sim.replica import DecodeSettings, _StepTable, survival_grid
 from sim.simulator import SimConfig, SimResult, Simulator
 from sim.workload import Requests
 from tests.sim.conftest import handmade_profile, make_workload
@@ -115,22 +115,49 @@ def _run(profile: Profile, seed: int) -> tuple[SimResult, int]:
 
 
 @pytest.mark.parametrize("profile_name", ["handmade", "plain_table", "calibrated"])
-def test_step_tables_give_the_column_writes_results(profile_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A uniform-k segment reads its step ms and step columns from DecodeSettings.step_table; without
-    the tables (the general path) every record, tick and summary is the same, bit for bit."""
+def test_step_tables_hold_the_step_model_and_its_columns(profile_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every uniform-k segment reads its step ms and step columns from DecodeSettings.step_table: each table a
+    run builds holds, at every row count, the latency model's step (the mixed model's formula at one k, or the
+    profile's plain step per batch) and the columns the window sums need of it."""
     profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile,
                "calibrated": Profile.default}[profile_name]()
-    fast = [_run(profile, seed) for seed in (1, 2)]
-    monkeypatch.setattr(DecodeSettings, "step_table", lambda *args: None)
-    slow = [_run(profile, seed) for seed in (1, 2)]
-    for (a, segments_a), (b, segments_b) in zip(fast, slow, strict=True):
-        assert segments_a == segments_b > 100
-        for key, column in a.records.items():
-            assert column.tobytes() == b.records[key].tobytes(), key
-        assert a.timeseries.keys() == b.timeseries.keys()
-        for key, series in a.timeseries.items():
-            assert np.array(series).tobytes() == np.array(b.timeseries[key]).tobytes(), key
-        assert a.summary == b.summary or repr(a.summary) == repr(b.summary)
+    built: list[tuple[int, int, bool, _StepTable]] = []
+    original = DecodeSettings.step_table
+
+    def recording(self: DecodeSettings, tier: int, one_tier: bool, max_batch: int) -> _StepTable:
+        table = original(self, tier, one_tier, max_batch)
+        built.append((int(self.k_by_tier[tier]), tier, one_tier, table))  # the settings change later
+        return table
+
+    monkeypatch.setattr(DecodeSettings, "step_table", recording)
+    _, segments = _run(profile, 1)
+    assert segments > 100 and len(built) > 100
+    lat = profile.latency
+    n_t = len(SLOSpec.default().tiers)
+    seen_ks = set()
+    for k, tier, one_tier, table in built:
+        seen_ks.add(k)
+        rows = np.arange(table.ms.size, dtype=float)
+        if k == 0 and lat.plain_step_ms_by_batch:
+            plain = lat.plain_table(rows.size - 1)
+            assert plain is not None and table.ms.tolist() == plain.tolist()
+        elif k == 0:
+            plain_fixed, plain_per_row = lat.plain_coeffs()
+            np.testing.assert_allclose(table.ms, plain_fixed + plain_per_row * rows, rtol=1e-12)
+        else:
+            model = lat.speculative_step_ms(rows, rows * k, np.full(rows.size, float(k)), rows)
+            np.testing.assert_allclose(table.ms, model, rtol=1e-12)
+        f = table.features
+        assert f[:, WindowBins.SEQ_ITERS].tolist() == rows.tolist() == (-f[:, WindowBins.ACCEPTED]).tolist()
+        assert f[:, WindowBins.ITERS].tolist() == [1.0] * rows.size
+        assert f[:, WindowBins.ITER_MS].tolist() == table.ms.tolist()
+        assert f[:, WindowBins.DRAFTED].tolist() == (rows * k).tolist()
+        assert f[:, WindowBins.SPEC_ITERS].tolist() == [float(k > 0)] * rows.size
+        assert f[:, WindowBins.SPEC_ROWS].tolist() == (rows * (k > 0)).tolist()
+        assert f[:, WindowBins.SPEC_DRAFTED_ROW_FORWARDS].tolist() == (rows * k).tolist()
+        one_tier_column = f[:, WindowBins.BASE + 2 * n_t + tier]
+        assert one_tier_column.tolist() == (rows if one_tier else np.zeros(rows.size)).tolist()
+    assert 0 in seen_ks and len(seen_ks) > 1
 
 
 def test_window_summaries_match_the_array_functions() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,23 @@ def with_forward_overhead(profile: Profile, overhead_ms: float) -> Profile:
     return Profile.model_validate({**profile.model_dump(), "latency": lat})
 
 
+def with_plain_step_scale(profile: Profile, scale: float) -> Profile:
+    """``profile`` with its plain (k = 0) decode steps ``scale`` times as long, speculative steps and prefills
+    as they were: a host on which the two kinds of step moved apart from the calibration. Why: the policy
+    learns a correction per kind of step only from the windows that ran it (docs/policies.md), and a host
+    whose plain steps alone run slow puts plain decoding at the edge of a target that speculative steps meet
+    (session 21: replaying session 20's real step load at 97 ms, plain steps 1.1x the calibrated ones
+    reproduce its plain decoding and T = 4, k = 6 to the request)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"plain step scale must be finite and > 0, got {scale}")
+    lat = profile.latency.model_dump()
+    a, b = profile.latency.plain_coeffs()
+    lat["plain_step_a_ms"], lat["plain_step_b_ms"] = a * scale, b * scale
+    if lat.get("plain_step_ms_by_batch"):
+        lat["plain_step_ms_by_batch"] = [ms * scale for ms in lat["plain_step_ms_by_batch"]]
+    return Profile.model_validate({**profile.model_dump(), "latency": lat})
+
+
 class HindsightSchedule:
     """Plain decoding outside the high phase ``[phase_s, 2·phase_s)`` and ``(threshold, k)`` for ``tier`` in
     it, switched at the control tick that opens and closes the phase (the other tiers plain throughout).
@@ -182,6 +200,9 @@ def main() -> int:
                     help="ms added to every forward pass of the replica's profile (not the policies'): decode "
                     "steps (k + 1 forwards at k > 0, one at k = 0) and prefills (one per model); the default pair's "
                     "real step load reads ~20 ms (see with_forward_overhead)")
+    ap.add_argument("--plain-step-scale", type=float, default=1.0,
+                    help="plain decode steps of the replica's profile this many times as long (not the policies'): "
+                         "a host where plain steps alone run slow (see with_plain_step_scale)")
     ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
     ap.add_argument("--out", default="results/load_sim.json")
     args = ap.parse_args()
@@ -189,6 +210,11 @@ def main() -> int:
     slo = load_slo(args.tier, args.tpot_ms)
     profile = Profile.load(args.profile)
     policy_profile = Profile.load(args.policy_profile) if args.policy_profile else profile
+    if args.plain_step_scale != 1.0:
+        try:
+            profile = with_plain_step_scale(profile, args.plain_step_scale)
+        except ValueError as exc:
+            raise SystemExit(f"--plain-step-scale: {exc}") from None
     if args.step_overhead_ms:
         profile = with_step_overhead(profile, args.step_overhead_ms)
     if args.forward_overhead_ms:
@@ -231,7 +257,7 @@ def main() -> int:
            "policy_profile": Path(args.policy_profile or args.profile).name, "tier": args.tier, "tpot_ms": args.tpot_ms,
            "rates_rps": [low, high, low], "phase_s": args.phase_s, "seeds": args.seeds,
            "step_overhead_ms": args.step_overhead_ms, "forward_overhead_ms": args.forward_overhead_ms,
-           "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
+           "plain_step_scale": args.plain_step_scale, "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
            "criterion": criterion([c for c in summary if c["spec"]["policy"] != "hindsight"],
                                   slo.tiers[args.tier].model_dump())}
     text = json.dumps(out, indent=1)

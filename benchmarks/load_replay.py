@@ -1,0 +1,162 @@
+"""A real step load replayed in the simulator: would the simulator have told us what the service did?
+
+Reads a ``benchmarks/load.py`` report and, for every configuration it ran (the policy spec it stored) and
+every round, replays that round's requests in the simulator exactly as the service saw them: the recorded
+arrival times (from the round's start), prompt tokens and output tokens (early eos stops included), one
+replica of max batch 8, the report's SLO and control interval. A request the service refused or failed
+before tokenizing it is replayed with its round's median lengths (the report counted it a miss). The
+replica's profile is ``--profile`` (default: the calibrated one of the default pair), optionally moved to
+the host of the real run by ``--plain-step-scale`` and the overhead knobs of ``benchmarks/load_sim.py``;
+the policies' models stay on ``--profile``, as live.
+
+Per configuration the report gives the real attainment and distortion (the report's pooled figures) beside
+the simulator's (mean over rounds and ``--seeds``; the seeds move only the acceptance draws, the requests
+are the recorded ones), and issue 11's criterion on each side. Deterministic; seconds. Prints JSON (and
+writes ``--out``)::
+
+    .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s16_t97_s20.json
+    .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s16_t97_s20.json --plain-step-scale 1.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.load import criterion  # noqa: E402
+from benchmarks.load_sim import seeds_arg, with_forward_overhead, with_plain_step_scale, with_step_overhead  # noqa: E402
+from policies.slo import SLOSpec  # noqa: E402
+from sim.inputs import build_policy  # noqa: E402
+from sim.profile import DEFAULT_PROFILE_PATH, Profile  # noqa: E402
+from sim.simulator import SimConfig, Simulator  # noqa: E402
+from sim.workload import Requests  # noqa: E402
+
+
+def round_requests(records: list[dict[str, Any]], slo: SLOSpec, tier: str) -> Requests:
+    """One round's recorded requests as simulator columns, every request in ``tier``: arrivals as recorded
+    (seconds from the round's start), token counts as the service reported them; a request without them
+    (refused or failed before a replica tokenized it) gets the round's median lengths."""
+    if not records:
+        raise ValueError("a round with no requests cannot be replayed")
+    if tier not in slo.tiers:
+        raise ValueError(f"tier {tier!r} is not in the report's SLO; known: {sorted(slo.tiers)}")
+    known = [r for r in records if r.get("prompt_tokens") and r.get("output_tokens")]
+    prompt_median = int(np.median([r["prompt_tokens"] for r in known])) if known else 1
+    output_median = int(np.median([r["output_tokens"] for r in known])) if known else 1
+    order = sorted(records, key=lambda r: float(r["arrival_s"]))
+    arrival = np.array([float(r["arrival_s"]) for r in order])
+    if not (np.isfinite(arrival).all() and (arrival >= 0).all()):
+        raise ValueError(f"recorded arrival times must be finite and >= 0, got {arrival.min()} … {arrival.max()}")
+    prompt = np.array([int(r.get("prompt_tokens") or prompt_median) for r in order], dtype=np.int64)
+    output = np.array([max(1, int(r.get("output_tokens") or output_median)) for r in order], dtype=np.int64)
+    tier_index = np.full(arrival.size, list(slo.tiers).index(tier), dtype=np.int64)
+    notes = [f"{arrival.size} recorded requests; {arrival.size - len(known)} without token counts given the round's "
+             "median lengths"]
+    return Requests(arrival, np.maximum(prompt, 1), output, tier_index, tuple(slo.tiers), notes, None)
+
+
+def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Profile,
+                  seeds: list[int], slo_policy: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per configuration of ``report``: its real figures and the simulator's on the same requests
+    (``slo_policy``: the spec to simulate for the configuration ``slo`` instead of the one that ran)."""
+    runs = report.get("runs") or []
+    if not runs:
+        raise ValueError("the report has no runs (records per round); re-run benchmarks/load.py to get them")
+    slo = SLOSpec.model_validate(report["slo"])
+    tier = report["tier"]
+    interval_s = float(report.get("interval_s") or 1.0)
+    real = {c["name"]: c for c in report.get("configs", [])}
+    out = []
+    for name in dict.fromkeys(run["name"] for run in runs):
+        spec = real[name]["spec"] if name in real else None
+        if name == "slo" and slo_policy is not None:
+            spec = slo_policy
+        if spec is None:
+            continue  # "live": whatever policy the controller ran; nothing to replay
+        per_round = []
+        for run in (r for r in runs if r["name"] == name):
+            requests = round_requests(run["records"], slo, tier)
+            for seed in seeds:
+                config = SimConfig(seed=seed, replicas=1, max_batch=8, k=4, control_interval_s=interval_s)
+                policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, policy_profile)
+                summary = Simulator(config, profile, slo, requests, policy).run().summary["tiers"][tier]
+                per_round.append((int(run["round"]), float(summary["slo_attainment"]),
+                                  float(summary.get("mean_distortion") or 0.0)))
+        rounds = sorted({r for r, _, _ in per_round})
+        by_round = [float(np.mean([a for r, a, _ in per_round if r == rnd])) for rnd in rounds]
+        out.append({
+            "name": name, "spec": spec,
+            "real": {"slo_attainment": real[name].get("slo_attainment"),
+                     "mean_distortion_per_token": real[name].get("mean_distortion_per_token")},
+            "sim": {"slo_attainment": float(np.mean([a for _, a, _ in per_round])),
+                    "mean_distortion_per_token": float(np.mean([d for _, _, d in per_round])),
+                    "attainment_by_round": [round(a, 4) for a in by_round]},
+        })
+    return out
+
+
+def side(configs: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """The configurations in ``benchmarks.load.criterion``'s shape, with ``key``'s ("real" or "sim") figures."""
+    return [{"name": c["name"], "spec": c["spec"], **c[key]} for c in configs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("report", help="a benchmarks/load.py report (JSON with per-round records)")
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
+    ap.add_argument("--policy-profile", default=None, help="profile the policies' models come from (default: --profile)")
+    ap.add_argument("--plain-step-scale", type=float, default=1.0,
+                    help="plain decode steps of the replica's profile this many times as long (not the policies')")
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="as benchmarks/load_sim.py")
+    ap.add_argument("--forward-overhead-ms", type=float, default=0.0, help="as benchmarks/load_sim.py")
+    ap.add_argument("--slo-policy", default=None,
+                    help="JSON policy spec to simulate for the 'slo' configuration (default: the one the report ran)")
+    ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
+    ap.add_argument("--out", default="results/load_replay.json")
+    args = ap.parse_args()
+    try:
+        report = json.loads(Path(args.report).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"cannot read the report {args.report}: {exc}") from None
+    profile = Profile.load(args.profile)
+    policy_profile = Profile.load(args.policy_profile) if args.policy_profile else profile
+    if args.plain_step_scale != 1.0:
+        try:
+            profile = with_plain_step_scale(profile, args.plain_step_scale)
+        except ValueError as exc:
+            raise SystemExit(f"--plain-step-scale: {exc}") from None
+    if args.step_overhead_ms:
+        profile = with_step_overhead(profile, args.step_overhead_ms)
+    if args.forward_overhead_ms:
+        profile = with_forward_overhead(profile, args.forward_overhead_ms)
+    try:
+        slo_policy = json.loads(args.slo_policy) if args.slo_policy else None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--slo-policy is not JSON: {exc}") from None
+    try:
+        configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy)
+    except (KeyError, ValueError) as exc:
+        raise SystemExit(f"cannot replay {args.report}: {exc}") from None
+    tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()
+    out = {"benchmark": "load_replay", "report": args.report, "profile": Path(args.profile).name,
+           "policy_profile": Path(args.policy_profile or args.profile).name, "tier": report["tier"],
+           "plain_step_scale": args.plain_step_scale, "step_overhead_ms": args.step_overhead_ms,
+           "forward_overhead_ms": args.forward_overhead_ms, "seeds": args.seeds,
+           "command": " ".join([sys.executable, *sys.argv]), "configs": configs,
+           "criterion": {"real": criterion(side(configs, "real"), tier), "sim": criterion(side(configs, "sim"), tier)}}
+    text = json.dumps(out, indent=1)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

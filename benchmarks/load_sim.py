@@ -6,7 +6,8 @@ load low → high → low, fixed prompt and output lengths. Each configuration i
 simulator's: ``slo``, ``{"policy": "static", "thresholds": 4, "draft_lengths": 2, "guards": false}``, …)
 run on ``--seeds``; the report gives the tier's attainment and distortion per configuration (mean and
 95 % t-interval over seeds), the TPOT distribution of the high phase's requests pooled over seeds
-(``high_phase_tpot_ms``), and issue 11's criterion on the means (``benchmarks.load.criterion``).
+(``high_phase_tpot_ms``), the share of the high phase's control windows at plain decoding by quarter of the
+phase (``high_phase_plain_share_by_quarter``), and issue 11's criterion on the means (``benchmarks.load.criterion``).
 A configuration ``{"policy": "hindsight", "high": [T, k]}`` runs :class:`HindsightSchedule` (plain
 decoding outside the high phase, (T, k) in it, switched at the phase boundaries): a bound on what
 switching can reach, reported beside the others and left out of the criterion.
@@ -167,6 +168,16 @@ def high_phase_tpot_ms(records: dict[str, np.ndarray], phase_s: float) -> np.nda
     return np.asarray(1000.0 * span_s / (records["output_tokens"][chosen] - 1), dtype=float)
 
 
+def high_phase_plain_share(timeseries: dict[str, list[float]], tier: str, phase_s: float) -> list[float]:
+    """Share of the control windows in each quarter of the high phase ``[phase_s, 2·phase_s)`` at which ``tier``
+    decoded plainly (k = 0): when in the burst a policy moved off plain decoding (session 21: the shipped
+    policy's lag at the burst's onset)."""
+    t = np.asarray(timeseries["time_s"], dtype=float)
+    plain = np.asarray(timeseries[f"k_{tier}"], dtype=float) == 0
+    quarter = np.floor((t - phase_s) / (phase_s / 4)).astype(int)
+    return [round(float(plain[quarter == q].mean()), 3) if (quarter == q).any() else math.nan for q in range(4)]
+
+
 def tpot_distribution(samples_ms: np.ndarray, target_ms: float) -> dict[str, float]:
     """Mean, deciles and share within ``target_ms`` of pooled per-request TPOTs. Why: at a target near the
     burst's median two points of nearly one mean TPOT meet it in very different shares (session 19: the
@@ -222,6 +233,7 @@ def main() -> int:
     configs: dict[str, Any] = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     burst: dict[str, list[np.ndarray]] = {name: [] for name in configs}
+    plain_share: dict[str, list[list[float]]] = {name: [] for name in configs}
     for seed in args.seeds:
         for name, spec in configs.items():
             workload = Workload.from_dict({
@@ -241,6 +253,7 @@ def main() -> int:
             tier = result.summary["tiers"][args.tier]
             rows[name].append((float(tier["slo_attainment"]), float(tier.get("mean_distortion") or 0.0)))
             burst[name].append(high_phase_tpot_ms(result.records, args.phase_s))
+            plain_share[name].append(high_phase_plain_share(result.timeseries, args.tier, args.phase_s))
     summary = []
     for name, values in rows.items():
         attainment, attainment_ci = ci95([a for a, _ in values])
@@ -252,7 +265,8 @@ def main() -> int:
         summary.append({"name": name, "spec": {"policy": kind}, "policy_spec": spec,
                         "slo_attainment": attainment, "attainment_ci95": attainment_ci,
                         "mean_distortion_per_token": distortion, "distortion_ci95": distortion_ci,
-                        "high_phase_tpot_ms": tpot_distribution(np.concatenate(burst[name]), args.tpot_ms)})
+                        "high_phase_tpot_ms": tpot_distribution(np.concatenate(burst[name]), args.tpot_ms),
+                        "high_phase_plain_share_by_quarter": [round(float(x), 3) for x in np.nanmean(plain_share[name], axis=0)]})
     out = {"benchmark": "load_sim", "profile": Path(args.profile).name,
            "policy_profile": Path(args.policy_profile or args.profile).name, "tier": args.tier, "tpot_ms": args.tpot_ms,
            "rates_rps": [low, high, low], "phase_s": args.phase_s, "seeds": args.seeds,

@@ -67,3 +67,13 @@ def test_load_sim_reports_a_hindsight_schedule_outside_the_criterion(tmp_path) -
     # It ran (4, 6) in the high phase: distortion where plain decoding has none.
     by_name = {c["name"]: c for c in report["configs"]}
     assert by_name["hindsight:4:6"]["mean_distortion_per_token"] > 0.0 == by_name["plain"]["mean_distortion_per_token"]
+
+
+def test_high_phase_plain_share_reads_each_quarter_of_the_high_phase() -> None:
+    from benchmarks.load_sim import high_phase_plain_share
+
+    # Windows every 5 s over 0 … 115 s; the high phase is [40, 80): quarters [40, 50), [50, 60), [60, 70), [70, 80).
+    times = [5.0 * i for i in range(24)]
+    ks = [0 if t < 45 or 60 <= t < 65 or t >= 80 else 6 for t in times]
+    share = high_phase_plain_share({"time_s": times, "k_economy": ks}, "economy", 40.0)
+    assert share == [0.5, 0.0, 0.5, 0.0]

@@ -31,10 +31,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import criterion  # noqa: E402
-from benchmarks.load_sim import seeds_arg, with_forward_overhead, with_plain_step_scale, with_step_overhead  # noqa: E402
+from benchmarks.load_sim import add_replica_arguments, replica_profiles, seeds_arg  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
-from sim.profile import DEFAULT_PROFILE_PATH, Profile  # noqa: E402
+from sim.profile import Profile  # noqa: E402
 from sim.simulator import SimConfig, Simulator  # noqa: E402
 from sim.workload import Requests  # noqa: E402
 
@@ -110,12 +110,7 @@ def side(configs: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report", help="a benchmarks/load.py report (JSON with per-round records)")
-    ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
-    ap.add_argument("--policy-profile", default=None, help="profile the policies' models come from (default: --profile)")
-    ap.add_argument("--plain-step-scale", type=float, default=1.0,
-                    help="plain decode steps of the replica's profile this many times as long (not the policies')")
-    ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="as benchmarks/load_sim.py")
-    ap.add_argument("--forward-overhead-ms", type=float, default=0.0, help="as benchmarks/load_sim.py")
+    add_replica_arguments(ap)
     ap.add_argument("--slo-policy", default=None,
                     help="JSON policy spec to simulate for the 'slo' configuration (default: the one the report ran)")
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
@@ -125,17 +120,7 @@ def main() -> int:
         report = json.loads(Path(args.report).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"cannot read the report {args.report}: {exc}") from None
-    profile = Profile.load(args.profile)
-    policy_profile = Profile.load(args.policy_profile) if args.policy_profile else profile
-    if args.plain_step_scale != 1.0:
-        try:
-            profile = with_plain_step_scale(profile, args.plain_step_scale)
-        except ValueError as exc:
-            raise SystemExit(f"--plain-step-scale: {exc}") from None
-    if args.step_overhead_ms:
-        profile = with_step_overhead(profile, args.step_overhead_ms)
-    if args.forward_overhead_ms:
-        profile = with_forward_overhead(profile, args.forward_overhead_ms)
+    profile, policy_profile = replica_profiles(args)
     try:
         slo_policy = json.loads(args.slo_policy) if args.slo_policy else None
     except json.JSONDecodeError as exc:

@@ -190,15 +190,8 @@ def tpot_distribution(samples_ms: np.ndarray, target_ms: float) -> dict[str, flo
             "within_target": round(float((samples_ms <= target_ms).mean()), 3)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", default="0.2,1.0", help="low,high req/s (low, high, low)")
-    ap.add_argument("--phase-s", type=float, default=40.0)
-    ap.add_argument("--tier", default="economy")
-    ap.add_argument("--tpot-ms", type=float, default=200.0)
-    ap.add_argument("--prompt-tokens", type=int, default=40)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-7"), help="e.g. 0-7 or 1,5,9")
+def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
+    """The replica's profile (the simulated truth), the policies' profile, and the knobs that move the host."""
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
     ap.add_argument("--policy-profile", default=None,
                     help="profile the policies' models come from (default: --profile); another one simulates a "
@@ -214,11 +207,11 @@ def main() -> int:
     ap.add_argument("--plain-step-scale", type=float, default=1.0,
                     help="plain decode steps of the replica's profile this many times as long (not the policies'): "
                          "a host where plain steps alone run slow (see with_plain_step_scale)")
-    ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
-    ap.add_argument("--out", default="results/load_sim.json")
-    args = ap.parse_args()
-    low, high = (float(x) for x in args.rates.split(","))
-    slo = load_slo(args.tier, args.tpot_ms)
+
+
+def replica_profiles(args: argparse.Namespace) -> tuple[Profile, Profile]:
+    """(the replica's profile with the host knobs applied, the policies' profile) from
+    :func:`add_replica_arguments`' options."""
     profile = Profile.load(args.profile)
     policy_profile = Profile.load(args.policy_profile) if args.policy_profile else profile
     if args.plain_step_scale != 1.0:
@@ -230,6 +223,25 @@ def main() -> int:
         profile = with_step_overhead(profile, args.step_overhead_ms)
     if args.forward_overhead_ms:
         profile = with_forward_overhead(profile, args.forward_overhead_ms)
+    return profile, policy_profile
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="0.2,1.0", help="low,high req/s (low, high, low)")
+    ap.add_argument("--phase-s", type=float, default=40.0)
+    ap.add_argument("--tier", default="economy")
+    ap.add_argument("--tpot-ms", type=float, default=200.0)
+    ap.add_argument("--prompt-tokens", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-7"), help="e.g. 0-7 or 1,5,9")
+    add_replica_arguments(ap)
+    ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
+    ap.add_argument("--out", default="results/load_sim.json")
+    args = ap.parse_args()
+    low, high = (float(x) for x in args.rates.split(","))
+    slo = load_slo(args.tier, args.tpot_ms)
+    profile, policy_profile = replica_profiles(args)
     configs: dict[str, Any] = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     burst: dict[str, list[np.ndarray]] = {name: [] for name in configs}

@@ -955,28 +955,21 @@ class ModelPredictivePolicy:
         plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
         return np.asarray(plain != plain_now, dtype=float)
 
-    def _current_index(self, ks: np.ndarray, thresholds: np.ndarray, act_idx: Sequence[int],
-                       tier_points: tuple[tuple[tuple[int, float], ...], ...] | None = None) -> int | None:
-        """The joint candidate that is the (T, k) in force over the active tiers (None: not a candidate).
-        ``tier_points``: the universe's (see :class:`_Universe`); then found per tier, without a pass over
-        the joint candidates: the first joint match in product order is every tier's first match."""
+    def _current_index(self, act_idx: Sequence[int],
+                       tier_points: tuple[tuple[tuple[int, float], ...], ...]) -> int | None:
+        """The joint candidate that is the (T, k) in force over the active tiers (None: not a candidate),
+        found per tier in the universe's ``tier_points`` (see :class:`_Universe`) without a pass over the
+        joint candidates: the first joint match in product order is every tier's first match."""
         if not self.current or not act_idx:
             return None
-        if tier_points is not None:
-            index = 0
-            for i, points in zip(act_idx, tier_points, strict=True):
-                t_in_force, k_in_force = self.current.get(self.tier_names[i], (math.nan, -1))
-                at = next((j for j, (k, t) in enumerate(points) if k == k_in_force and abs(t - t_in_force) < 1e-9),
-                          None)
-                if at is None:
-                    return None
-                index = index * len(points) + at
-            return index
-        cols = list(act_idx)
-        now_k = np.array([self.current.get(self.tier_names[i], (0.0, -1))[1] for i in cols])
-        now_t = np.array([self.current.get(self.tier_names[i], (math.nan, 0))[0] for i in cols])
-        hit = np.flatnonzero((ks[:, cols] == now_k).all(axis=1) & (np.abs(thresholds[:, cols] - now_t) < 1e-9).all(axis=1))
-        return int(hit[0]) if hit.size else None
+        index = 0
+        for i, points in zip(act_idx, tier_points, strict=True):
+            t_in_force, k_in_force = self.current.get(self.tier_names[i], (math.nan, -1))
+            at = next((j for j, (k, t) in enumerate(points) if k == k_in_force and abs(t - t_in_force) < 1e-9), None)
+            if at is None:
+                return None
+            index = index * len(points) + at
+        return index
 
     def _ks_now(self) -> np.ndarray:
         """[tiers] the draft lengths in force: the last decision's (0 before any)."""
@@ -1224,7 +1217,7 @@ class ModelPredictivePolicy:
             # Per tier as contiguous columns (numpy works a strided column of [pool, tiers] slower).
             violation = [np.zeros(pool.size) for _ in range(n_t)]
             attained = [np.ones(pool.size) for _ in range(n_t)]
-            now = self._current_index(ks, thresholds, act_idx, u.tier_points)
+            now = self._current_index(act_idx, u.tier_points)
             if now is not None and not within[now]:
                 now = None  # out of budget: not a candidate (as in a budget-pruned universe)
             for i, tier_ratios in ratios.items():

@@ -63,9 +63,13 @@ def round_requests(records: list[dict[str, Any]], slo: SLOSpec, tier: str) -> Re
 
 
 def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Profile,
-                  seeds: list[int], slo_policy: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  seeds: list[int], slo_policy: dict[str, Any] | str | None = None) -> list[dict[str, Any]]:
     """Per configuration of ``report``: its real figures and the simulator's on the same requests
     (``slo_policy``: the spec to simulate for the configuration ``slo`` instead of the one that ran)."""
+    if isinstance(slo_policy, str):  # a registry name, as load.py's --configs take it
+        slo_policy = {"policy": slo_policy}
+    if slo_policy is not None and not isinstance(slo_policy, dict):
+        raise ValueError(f"slo_policy must be a policy name or a JSON object, got {slo_policy!r}")
     runs = report.get("runs") or []
     if not runs:
         raise ValueError("the report has no runs (records per round); re-run benchmarks/load.py to get them")

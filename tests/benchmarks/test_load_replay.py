@@ -92,3 +92,22 @@ def test_replay_cli_writes_the_criterion_on_both_sides_and_refuses_a_report_with
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(empty), "--out",
                            str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "no runs" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_replay_takes_the_slo_policy_by_name_and_refuses_other_json(tmp_path: Path) -> None:
+    report = light_report()
+    report["runs"] += [{"name": "slo", "round": r, "records": report["runs"][2 * r]["records"], "t_samples": []}
+                       for r in range(2)]
+    report["configs"].append({"name": "slo", "spec": {"policy": "pid"}, "slo_attainment": 1.0,
+                              "mean_distortion_per_token": 0.0})
+    src, out = tmp_path / "load.json", tmp_path / "replay.json"
+    src.write_text(json.dumps(report))
+    # A bare name is valid JSON ("slo"); it names the policy as load.py's --configs do.
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(src), "--seeds", "0",
+                    "--slo-policy", '"slo"', "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    replay = json.loads(out.read_text())
+    assert {c["name"]: c["spec"] for c in replay["configs"]}["slo"] == {"policy": "slo"}
+    assert set(replay["criterion"]["sim"]["held"]) == {"slo"}
+    profile = Profile.load(DEFAULT_PROFILE_PATH)
+    with pytest.raises(ValueError, match=r"\[1\]"):
+        replay_report(report, profile, profile, seeds=[0], slo_policy=[1])  # type: ignore[arg-type]

@@ -16,6 +16,11 @@ writes ``--out``)::
 
     .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s16_t97_s20.json
     .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s16_t97_s20.json --plain-step-scale 1.1
+    .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s16_t97_s20.json --plain-step-scale 1.1 \
+        --schedules '{"trigger:2:10": {"policy": "trigger", "rows": 2, "hold_s": 10, "high": [4, 6]}}'
+
+``--schedules`` replays ``benchmarks/load_sim.py``'s schedules (hindsight, trigger) on the rounds of ``slo``:
+bounds beside the configurations that ran, left out of the criterion.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import criterion  # noqa: E402
-from benchmarks.load_sim import add_replica_arguments, replica_profiles, seeds_arg  # noqa: E402
+from benchmarks.load_sim import (  # noqa: E402
+    add_replica_arguments,
+    replica_profiles,
+    schedule_kind,
+    schedule_policy,
+    seeds_arg,
+)
+from policies.base import Policy  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
 from sim.profile import Profile  # noqa: E402
@@ -63,9 +75,13 @@ def round_requests(records: list[dict[str, Any]], slo: SLOSpec, tier: str) -> Re
 
 
 def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Profile,
-                  seeds: list[int], slo_policy: dict[str, Any] | str | None = None) -> list[dict[str, Any]]:
+                  seeds: list[int], slo_policy: dict[str, Any] | str | None = None,
+                  schedules: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per configuration of ``report``: its real figures and the simulator's on the same requests
-    (``slo_policy``: the spec to simulate for the configuration ``slo`` instead of the one that ran)."""
+    (``slo_policy``: the spec to simulate for the configuration ``slo`` instead of the one that ran).
+    ``schedules`` (name → ``benchmarks/load_sim.py`` schedule spec, e.g. ``{"policy": "trigger", "rows": 2,
+    "hold_s": 40, "high": [4, 6]}``) are replayed on the rounds of ``slo`` (else of the report's first
+    configuration), with no real figures."""
     if isinstance(slo_policy, str):  # a registry name, as load.py's --configs take it
         slo_policy = {"policy": slo_policy}
     if slo_policy is not None and not isinstance(slo_policy, dict):
@@ -77,28 +93,38 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
     tier = report["tier"]
     interval_s = float(report.get("interval_s") or 1.0)
     real = {c["name"]: c for c in report.get("configs", [])}
+    names = list(dict.fromkeys(run["name"] for run in runs))
+    jobs: list[tuple[str, Any, list[dict[str, Any]]]] = []
+    for name in names:
+        spec = slo_policy if name == "slo" and slo_policy is not None else real[name]["spec"] if name in real else None
+        if spec is not None:  # None: "live", whatever policy the controller ran; nothing to replay
+            jobs.append((name, spec, [r for r in runs if r["name"] == name]))
+    host = "slo" if "slo" in names else names[0]
+    for name, spec in (schedules or {}).items():
+        if name in names or not schedule_kind(spec):
+            raise ValueError(f"schedule {name!r}: needs a new name and a hindsight or trigger spec, got {spec!r}")
+        jobs.append((name, spec, [r for r in runs if r["name"] == host]))
     out = []
-    for name in dict.fromkeys(run["name"] for run in runs):
-        spec = real[name]["spec"] if name in real else None
-        if name == "slo" and slo_policy is not None:
-            spec = slo_policy
-        if spec is None:
-            continue  # "live": whatever policy the controller ran; nothing to replay
+    for name, spec, name_runs in jobs:
         per_round = []
-        for run in (r for r in runs if r["name"] == name):
+        for run in name_runs:
             requests = round_requests(run["records"], slo, tier)
             for seed in seeds:
                 config = SimConfig(seed=seed, replicas=1, max_batch=8, k=4, control_interval_s=interval_s)
-                policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, policy_profile)
+                if schedule_kind(spec):
+                    policy: Policy = schedule_policy(spec, slo, tier, float(report.get("phase_s") or 40.0))
+                else:
+                    policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, policy_profile)
                 summary = Simulator(config, profile, slo, requests, policy).run().summary["tiers"][tier]
                 per_round.append((int(run["round"]), float(summary["slo_attainment"]),
                                   float(summary.get("mean_distortion") or 0.0)))
         rounds = sorted({r for r, _, _ in per_round})
         by_round = [float(np.mean([a for r, a, _ in per_round if r == rnd])) for rnd in rounds]
+        measured = real.get(name) if not schedule_kind(spec) else None
         out.append({
             "name": name, "spec": spec,
-            "real": {"slo_attainment": real[name].get("slo_attainment"),
-                     "mean_distortion_per_token": real[name].get("mean_distortion_per_token")},
+            "real": {"slo_attainment": measured.get("slo_attainment") if measured else None,
+                     "mean_distortion_per_token": measured.get("mean_distortion_per_token") if measured else None},
             "sim": {"slo_attainment": float(np.mean([a for _, a, _ in per_round])),
                     "mean_distortion_per_token": float(np.mean([d for _, _, d in per_round])),
                     "attainment_by_round": [round(a, 4) for a in by_round]},
@@ -107,8 +133,9 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
 
 
 def side(configs: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    """The configurations in ``benchmarks.load.criterion``'s shape, with ``key``'s ("real" or "sim") figures."""
-    return [{"name": c["name"], "spec": c["spec"], **c[key]} for c in configs]
+    """The configurations in ``benchmarks.load.criterion``'s shape, with ``key``'s ("real" or "sim") figures
+    (the schedules left out: they are bounds, not candidates)."""
+    return [{"name": c["name"], "spec": c["spec"], **c[key]} for c in configs if not schedule_kind(c["spec"])]
 
 
 def main() -> int:
@@ -117,6 +144,9 @@ def main() -> int:
     add_replica_arguments(ap)
     ap.add_argument("--slo-policy", default=None,
                     help="JSON policy spec to simulate for the 'slo' configuration (default: the one the report ran)")
+    ap.add_argument("--schedules", default=None,
+                    help='JSON name -> benchmarks/load_sim.py schedule spec replayed on the slo rounds, e.g. '
+                         '\'{"trigger:2:40": {"policy": "trigger", "rows": 2, "hold_s": 40, "high": [4, 6]}}\'')
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
     ap.add_argument("--out", default="results/load_replay.json")
     args = ap.parse_args()
@@ -130,7 +160,13 @@ def main() -> int:
     except json.JSONDecodeError as exc:
         raise SystemExit(f"--slo-policy is not JSON: {exc}") from None
     try:
-        configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy)
+        schedules = json.loads(args.schedules) if args.schedules else None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--schedules is not JSON: {exc}") from None
+    if schedules is not None and not isinstance(schedules, dict):
+        raise SystemExit(f"--schedules must be a JSON object name -> spec, got {schedules!r}")
+    try:
+        configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy, schedules)
     except (KeyError, ValueError) as exc:
         raise SystemExit(f"cannot replay {args.report}: {exc}") from None
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()

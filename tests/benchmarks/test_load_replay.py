@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.load_replay import replay_report, round_requests
+from benchmarks.load_replay import replay_report, round_requests, side
 from benchmarks.load_sim import load_slo, with_plain_step_scale
 from sim.profile import DEFAULT_PROFILE_PATH, Profile
 
@@ -111,3 +111,18 @@ def test_replay_takes_the_slo_policy_by_name_and_refuses_other_json(tmp_path: Pa
     profile = Profile.load(DEFAULT_PROFILE_PATH)
     with pytest.raises(ValueError, match=r"\[1\]"):
         replay_report(report, profile, profile, seeds=[0], slo_policy=[1])  # type: ignore[arg-type]
+
+
+def test_schedules_replay_on_the_rounds_without_real_figures_and_stay_out_of_the_criterion() -> None:
+    report = light_report()  # one request every 6 s: one row at a time
+    profile = Profile.load(DEFAULT_PROFILE_PATH)
+    schedules = {"trigger:1": {"policy": "trigger", "rows": 1, "hold_s": 100, "high": [4, 6]},
+                 "trigger:2": {"policy": "trigger", "rows": 2, "hold_s": 100, "high": [4, 6]}}
+    got = {c["name"]: c for c in replay_report(report, profile, profile, seeds=[0], schedules=schedules)}
+    assert got["trigger:1"]["real"] == {"slo_attainment": None, "mean_distortion_per_token": None}
+    # One row reaches the one-row trigger (it drafts from the first request on) and never the two-row one.
+    assert got["trigger:1"]["sim"]["mean_distortion_per_token"] > 0.1
+    assert got["trigger:2"]["sim"] == got["plain"]["sim"]
+    assert [c["name"] for c in side(list(got.values()), "sim")] == ["plain", "static:4:6"]  # bounds, not candidates
+    with pytest.raises(ValueError, match="'plain'"):
+        replay_report(report, profile, profile, seeds=[0], schedules={"plain": schedules["trigger:1"]})

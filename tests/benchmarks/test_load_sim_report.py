@@ -77,3 +77,23 @@ def test_high_phase_plain_share_reads_each_quarter_of_the_high_phase() -> None:
     ks = [0 if t < 45 or 60 <= t < 65 or t >= 80 else 6 for t in times]
     share = high_phase_plain_share({"time_s": times, "k_economy": ks}, "economy", 40.0)
     assert share == [0.5, 0.0, 0.5, 0.0]
+
+
+def test_row_trigger_drafts_from_the_row_count_and_holds_after_the_last_window_that_saw_it() -> None:
+    from benchmarks.load_sim import RowTrigger, load_slo, schedule_policy
+    from policies.telemetry import Telemetry
+
+    slo = load_slo("economy", 97.0)
+    trigger = RowTrigger(slo, "economy", rows=2, hold_s=3.0, threshold=4.0, k=6)
+    # Requests per replica over the windows: 1 (plain), 2 (switch), 0, 0 (held), 0 (3 s after: plain), 4 over two replicas.
+    seen = [(t, n, r) for t, n, r in ((0.0, 1, 1), (1.0, 2, 1), (2.0, 0, 1), (3.0, 0, 1), (4.0, 0, 1), (5.0, 4, 2))]
+    got = [trigger.decide(Telemetry(time_s=t, window_s=1.0, in_flight=n, replicas=r)) for t, n, r in seen]
+    assert [(d.thresholds["economy"], d.draft_lengths["economy"]) for d in got] == [
+        (0.0, 0), (4.0, 6), (4.0, 6), (4.0, 6), (0.0, 0), (4.0, 6)]
+    assert all(d.thresholds[n] == 0.0 and d.draft_lengths[n] == 0 for d in got for n in slo.tiers if n != "economy")
+    trigger.reset()  # a new run starts plain
+    assert trigger.decide(Telemetry(time_s=6.0, window_s=1.0, in_flight=0)).draft_lengths["economy"] == 0
+    with pytest.raises(ValueError, match="got 0, 3.0"):
+        RowTrigger(slo, "economy", rows=0, hold_s=3.0, threshold=4.0, k=6)
+    with pytest.raises(ValueError, match="'rows'"):
+        schedule_policy({"policy": "trigger", "hold_s": 40, "high": [4, 6]}, slo, "economy", 40.0)

@@ -77,6 +77,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -467,6 +468,7 @@ class ModelPredictivePolicy:
         max_replicas: int | None = None,
         scale_down_slack: float = 0.15,
         spread_prior: float = 0.3,
+        look_ahead_windows: int = 10,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -504,6 +506,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(spread_prior) and spread_prior > 0):
             raise ValueError(f"spread_prior must be finite and > 0, got {spread_prior}")
         self.spread_prior = spread_prior
+        if look_ahead_windows < 0:
+            raise ValueError(f"look_ahead_windows must be >= 0, got {look_ahead_windows}")
+        self.look_ahead_windows = look_ahead_windows
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -637,6 +642,8 @@ class ModelPredictivePolicy:
         self._draft_last: dict[int, int] = {}  # k_max: the tick its fit last took a window
         self._no_evidence = StepCorrection(decay=self.step_decay)  # the model's step (never observes)
         self._ticks = 0
+        # Rows running per replica in the last look_ahead_windows windows (the look-ahead's recent peak).
+        self._rows_seen: deque[float] = deque(maxlen=max(self.look_ahead_windows, 1))
         self._plain_last = -math.inf  # the tick the plain-step fit last took a window
         cost = self.model.cost
         # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
@@ -1095,6 +1102,16 @@ class ModelPredictivePolicy:
 
         replicas = max(1, telemetry.replicas)
         running_now = max(1.0, (telemetry.in_flight - telemetry.queue_depth) / replicas)
+        self._rows_seen.append(running_now)
+        # Where leaving plain decoding costs the draft's catch-up over the running rows (it grows with the
+        # batch), a switch made late in a burst costs most: plan every candidate for the batch the burst
+        # brings, not the one the rate estimate (decayed over ~30 windows) still reads at its onset — the most
+        # rows held over the last look_ahead_windows windows (a burst's arrivals come in clusters) plus the
+        # arrivals of one request's life (Little's batch). Session 22: in the simulator twin of session 20's
+        # real step load this switches at two rows instead of three to five.
+        looks_ahead = self.look_ahead_windows > 0 and (
+            self.model.cost.draft_prefill_ms_per_token > 0 or self.model.cost.draft_prefill_fixed_ms > 0)
+        rows_peak = max(self._rows_seen)
         queue = telemetry.queue_depth / replicas
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
@@ -1131,7 +1148,9 @@ class ModelPredictivePolicy:
             # A request lives through many steps while the batch fluctuates around its Little's-law
             # mean (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), never below now.
             planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
-            batch = np.clip(np.maximum(planned, running_now), 1.0, float(self.max_batch))
+            floor = rows_peak + np.where(np.isfinite(little), little, float(self.max_batch)) if looks_ahead \
+                else running_now
+            batch = np.clip(np.maximum(planned, floor), 1.0, float(self.max_batch))
             if by_batch is not None:
                 tokens = self._tokens_at(by_batch, batch, u.ks_plus_1)
             if plain_table:
@@ -1149,6 +1168,10 @@ class ModelPredictivePolicy:
             # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running
             # now, not the requests that arrive over the next probe_after windows.
             catch_up *= running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0))
+        else:
+            # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a
+            # request's life (Little's batch at the candidate) do not, so it is their share of the charge.
+            catch_up = catch_up * (running_now / (running_now + batch))
         tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
         wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
@@ -1381,6 +1404,7 @@ class ModelPredictivePolicy:
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
             "scale_down_slack": self.scale_down_slack,
+            "look_ahead_windows": self.look_ahead_windows,
         }
 
     def __repr__(self) -> str:

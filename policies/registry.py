@@ -122,6 +122,8 @@ class MPCParams(_Params):
         None, ge=1, description="None: the owner's; with neither, the policy emits no replica count")
     scale_down_slack: float = Field(0.15, ge=0)
     spread_prior: float = Field(0.3, gt=0, description="log-spread of request latencies until measured")
+    look_ahead_windows: int = Field(10, ge=0, description="windows whose peak rows (plus Little's batch) every "
+                                    "candidate is planned for where the draft's catch-up is modelled; 0: off")
 
 
 class QualityParams(_Params):

@@ -513,8 +513,9 @@ def _split_prefill_model() -> OperatingModel:
 def test_a_tier_that_starts_drafting_is_charged_the_drafts_catch_up() -> None:
     """A row that ran at k = 0 has a backlog the draft never saw (prompt and output so far): the candidate
     that makes its tier draft pays one draft forward over the running rows' backlog, spread over a
-    request's tokens; a tier already drafting pays nothing; a model without the draft's prefill neither."""
-    slo = make_slo(economy={"tpot_ms": 80.0})
+    request's tokens, and shared with the requests of a request's life (they arrive after the switch and
+    do not pay it); a tier already drafting pays nothing; a model without the draft's prefill neither."""
+    slo = make_slo(economy={"tpot_ms": 70.0})
     tiers = window("economy", k=0)
 
     def decide(model: OperatingModel, k_now: int) -> tuple[ModelPredictivePolicy, Decision]:
@@ -937,3 +938,29 @@ def test_no_probe_of_plain_steps_while_more_than_one_request_runs() -> None:
     assert "probing plain steps" in decide_at(1).reason
     busy = decide_at(6)
     assert "probing" not in busy.reason and busy.draft_lengths["economy"] == 4, busy.reason
+
+
+def test_look_ahead_plans_for_the_recent_peak_rows_only_where_a_switch_costs_a_catch_up() -> None:
+    """With the draft's catch-up modelled, a candidate is planned for the most rows of the last
+    ``look_ahead_windows`` windows plus Little's batch: two rows seen once keep the plan at two or more rows
+    for that many windows. Without the catch-up (the toy model) the look-ahead is off: decisions are the
+    same whatever its length."""
+    slo = make_slo(economy={"tpot_ms": 70.0})
+    rows = [1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+
+    def batches(model: OperatingModel, look_ahead: int) -> list[tuple[float, float, int]]:
+        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0, look_ahead_windows=look_ahead)
+        out = []
+        for tick, n in enumerate(rows, start=1):
+            d = policy.decide(load(n, arrivals=0, time_s=float(tick), tiers=window("economy", k=0)))
+            planned = float(d.reason.split("batch ")[1].split(",")[0])
+            out.append((planned, d.thresholds["economy"], d.draft_lengths["economy"]))
+        return out
+
+    split = batches(_split_prefill_model(), 4)
+    # No arrivals counted: Little's batch is 0 and the plan is the peak of the last 4 windows (2 from tick 3 to 6).
+    assert [b for b, _, _ in split] == [1, 1, 2, 2, 2, 2, 1, 1, 1, 1, 1]
+    assert [b for b, _, _ in batches(_split_prefill_model(), 0)] == [1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert batches(toy_model(), 4) == batches(toy_model(), 0)
+    with pytest.raises(ValueError, match="look_ahead_windows must be >= 0, got -1"):
+        ModelPredictivePolicy(slo, toy_model(), look_ahead_windows=-1)

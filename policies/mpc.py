@@ -439,6 +439,8 @@ class ModelPredictivePolicy:
     * ``min_replicas`` / ``max_replicas`` — bounds of the replica count it asks for (``max_replicas``
       None: it asks for none, ``Decision.replicas`` stays None); ``scale_down_slack`` — a lower count
       must fit this much more load than the measured rate before it is asked for.
+    * ``look_ahead_windows`` — where the model has the draft's catch-up, every candidate is planned for at least
+      the most rows a replica held over this many windows plus its Little batch (0: the rows running now).
     """
 
     name = "mpc"
@@ -1170,7 +1172,7 @@ class ModelPredictivePolicy:
             catch_up *= running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0))
         else:
             # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a
-            # request's life (Little's batch at the candidate) do not, so it is their share of the charge.
+            # request's life (about the candidate's planned batch) do not, so it is their share of the charge.
             catch_up = catch_up * (running_now / (running_now + batch))
         tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
         rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica

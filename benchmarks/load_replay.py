@@ -172,7 +172,7 @@ def main() -> int:
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()
     out = {"benchmark": "load_replay", "report": args.report, "profile": Path(args.profile).name,
            "policy_profile": Path(args.policy_profile or args.profile).name, "tier": report["tier"],
-           "plain_step_scale": args.plain_step_scale, "step_overhead_ms": args.step_overhead_ms,
+           "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale, "step_overhead_ms": args.step_overhead_ms,
            "forward_overhead_ms": args.forward_overhead_ms, "seeds": args.seeds,
            "command": " ".join([sys.executable, *sys.argv]), "configs": configs,
            "criterion": {"real": criterion(side(configs, "real"), tier), "sim": criterion(side(configs, "sim"), tier)}}

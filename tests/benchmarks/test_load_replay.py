@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks.load_replay import replay_report, round_requests, side
-from benchmarks.load_sim import load_slo, with_plain_step_scale
+from benchmarks.load_sim import load_slo, with_plain_step_scale, with_speculative_step_scale
 from sim.profile import DEFAULT_PROFILE_PATH, Profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +62,20 @@ def test_plain_step_scale_moves_plain_steps_only() -> None:
     assert slow.latency.prefill_ms(40) == pytest.approx(profile.latency.prefill_ms(40))
     with pytest.raises(ValueError, match="0.0"):
         with_plain_step_scale(profile, 0.0)
+
+
+def test_speculative_step_scale_moves_draft_and_verify_steps_only() -> None:
+    profile = Profile.load(DEFAULT_PROFILE_PATH)
+    fast = with_speculative_step_scale(profile, 0.5)
+    for batch in (1, 3, 8):
+        for k in (2, 6):
+            assert float(fast.latency.iteration_ms(batch, k)) == pytest.approx(
+                0.5 * float(profile.latency.iteration_ms(batch, k)))
+        assert float(fast.latency.iteration_ms(batch, 0)) == pytest.approx(float(profile.latency.iteration_ms(batch, 0)))
+    assert fast.latency.prefill_ms(40) == pytest.approx(profile.latency.prefill_ms(40))
+    assert fast.latency.draft_catch_up_ms(200) == pytest.approx(profile.latency.draft_catch_up_ms(200))
+    with pytest.raises(ValueError, match="-1.0"):
+        with_speculative_step_scale(profile, -1.0)
 
 
 def test_replay_reports_real_and_simulated_figures_and_a_slow_host_fails_plain_decoding_only() -> None:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.load import criterion  # noqa: E402
 from benchmarks.load_sim import (  # noqa: E402
     add_replica_arguments,
+    replica_fields,
     replica_profiles,
     schedule_kind,
     schedule_policy,
@@ -101,7 +102,7 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
             jobs.append((name, spec, [r for r in runs if r["name"] == name]))
     host = "slo" if "slo" in names else names[0]
     for name, spec in (schedules or {}).items():
-        if name in names or not schedule_kind(spec):
+        if name in names or name in real or not schedule_kind(spec):
             raise ValueError(f"schedule {name!r}: needs a new name and a hindsight or trigger spec, got {spec!r}")
         jobs.append((name, spec, [r for r in runs if r["name"] == host]))
     out = []
@@ -120,7 +121,7 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
                                   float(summary.get("mean_distortion") or 0.0)))
         rounds = sorted({r for r, _, _ in per_round})
         by_round = [float(np.mean([a for r, a, _ in per_round if r == rnd])) for rnd in rounds]
-        measured = real.get(name) if not schedule_kind(spec) else None
+        measured = real.get(name)  # None for a schedule: its name is new
         out.append({
             "name": name, "spec": spec,
             "real": {"slo_attainment": measured.get("slo_attainment") if measured else None,
@@ -170,10 +171,8 @@ def main() -> int:
     except (KeyError, ValueError) as exc:
         raise SystemExit(f"cannot replay {args.report}: {exc}") from None
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()
-    out = {"benchmark": "load_replay", "report": args.report, "profile": Path(args.profile).name,
-           "policy_profile": Path(args.policy_profile or args.profile).name, "tier": report["tier"],
-           "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale, "step_overhead_ms": args.step_overhead_ms,
-           "forward_overhead_ms": args.forward_overhead_ms, "seeds": args.seeds,
+    out = {"benchmark": "load_replay", "report": args.report, **replica_fields(args), "tier": report["tier"],
+           "seeds": args.seeds,
            "command": " ".join([sys.executable, *sys.argv]), "configs": configs,
            "criterion": {"real": criterion(side(configs, "real"), tier), "sim": criterion(side(configs, "sim"), tier)}}
     text = json.dumps(out, indent=1)

@@ -287,6 +287,13 @@ def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
                          "as long (not the policies'): see with_speculative_step_scale")
 
 
+def replica_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`add_replica_arguments`' options as a report records them (profile names and the host knobs)."""
+    return {"profile": Path(args.profile).name, "policy_profile": Path(args.policy_profile or args.profile).name,
+            "step_overhead_ms": args.step_overhead_ms, "forward_overhead_ms": args.forward_overhead_ms,
+            "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale}
+
+
 def replica_profiles(args: argparse.Namespace) -> tuple[Profile, Profile]:
     """(the replica's profile with the host knobs applied, the policies' profile) from
     :func:`add_replica_arguments`' options."""
@@ -363,11 +370,9 @@ def main() -> int:
                         "mean_distortion_per_token": distortion, "distortion_ci95": distortion_ci,
                         "high_phase_tpot_ms": tpot_distribution(np.concatenate(burst[name]), args.tpot_ms),
                         "high_phase_plain_share_by_quarter": [round(float(x), 3) for x in np.nanmean(plain_share[name], axis=0)]})
-    out = {"benchmark": "load_sim", "profile": Path(args.profile).name,
-           "policy_profile": Path(args.policy_profile or args.profile).name, "tier": args.tier, "tpot_ms": args.tpot_ms,
+    out = {"benchmark": "load_sim", **replica_fields(args), "tier": args.tier, "tpot_ms": args.tpot_ms,
            "rates_rps": [low, high, low], "phase_s": args.phase_s, "seeds": args.seeds,
-           "step_overhead_ms": args.step_overhead_ms, "forward_overhead_ms": args.forward_overhead_ms,
-           "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale, "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
+           "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
            "criterion": criterion([c for c in summary if c["spec"]["policy"] not in SCHEDULES],
                                   slo.tiers[args.tier].model_dump())}
     text = json.dumps(out, indent=1)

@@ -82,7 +82,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -413,6 +413,21 @@ class _Universe:
     tier_points: tuple[tuple[tuple[int, float], ...], ...]
 
 
+class _Prediction(NamedTuple):
+    """What :meth:`ModelPredictivePolicy.decide` predicts for every joint candidate at one planned load."""
+
+    batch: np.ndarray  # [candidates] rows planned per replica
+    step: np.ndarray  # [candidates] step ms
+    tokens: np.ndarray  # [candidates, tiers] tokens per row-step
+    mean_tokens: np.ndarray  # [candidates] by tier share
+    tpot: np.ndarray  # [candidates, tiers] ms
+    tpot_ranked: np.ndarray  # tpot with the switch margin
+    wait: np.ndarray  # [candidates] queue wait ms
+    cost: np.ndarray  # [candidates] ms of replica time per output token (switch margin included)
+    ratios: dict[int, list[tuple[str, np.ndarray]]]  # per active tier: (metric, prediction × margin / target)
+    meets: np.ndarray  # [candidates, tiers] bool
+
+
 class ModelPredictivePolicy:
     """See the module docstring. Parameters:
 
@@ -441,6 +456,9 @@ class ModelPredictivePolicy:
       must fit this much more load than the measured rate before it is asked for.
     * ``look_ahead_windows`` — where the model has the draft's catch-up, every candidate is planned for at least
       the most rows a replica held over this many windows plus its Little batch (0: the rows running now).
+    * ``rate_z`` — with the look-ahead, a candidate meets only if it meets at the rate the last
+      ``look_ahead_windows`` windows' arrivals allow at this many standard deviations (the Poisson upper
+      bound); where none does, the most attainment at the measured rate (0: off).
     """
 
     name = "mpc"
@@ -471,6 +489,7 @@ class ModelPredictivePolicy:
         scale_down_slack: float = 0.15,
         spread_prior: float = 0.3,
         look_ahead_windows: int = 10,
+        rate_z: float = 2.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -511,6 +530,9 @@ class ModelPredictivePolicy:
         if look_ahead_windows < 0:
             raise ValueError(f"look_ahead_windows must be >= 0, got {look_ahead_windows}")
         self.look_ahead_windows = look_ahead_windows
+        if not (math.isfinite(rate_z) and rate_z >= 0):
+            raise ValueError(f"rate_z must be finite and >= 0, got {rate_z}")
+        self.rate_z = rate_z
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -646,6 +668,8 @@ class ModelPredictivePolicy:
         self._ticks = 0
         # Rows running per replica in the last look_ahead_windows windows (the look-ahead's recent peak).
         self._rows_seen: deque[float] = deque(maxlen=max(self.look_ahead_windows, 1))
+        # (arrivals, seconds) of the same windows: the rate bound the look-ahead's feasibility test plans for.
+        self._arrivals_seen: deque[tuple[float, float]] = deque(maxlen=max(self.look_ahead_windows, 1))
         self._plain_last = -math.inf  # the tick the plain-step fit last took a window
         cost = self.model.cost
         # The prefill of a join at k > 0 (target and draft) until TTFT teaches it.
@@ -751,6 +775,20 @@ class ModelPredictivePolicy:
             k_max = max(1, round(speculative.draft_forwards / n))
             self._observe_draft(k_max, speculative.mean_ms, fixed, per_row, speculative.mean_rows)
 
+    def _rate_bound(self, replicas: int) -> float:
+        """The arrival rate per replica at the Poisson upper bound (``rate_z`` standard deviations) of the
+        arrivals over the last ``look_ahead_windows`` windows, never below the measured rate. Wilson's form
+        of the bound: at zero arrivals it still allows z² over the span, so a light phase plans for the
+        burst that a few quiet seconds cannot rule out."""
+        lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
+        arrivals = sum(a for a, _ in self._arrivals_seen)
+        span_s = sum(w for _, w in self._arrivals_seen)
+        if span_s <= 0:
+            return lam
+        z = self.rate_z
+        bound = (arrivals + z * z / 2 + z * math.sqrt(arrivals + z * z / 4)) / span_s / replicas
+        return max(lam, bound)
+
     def _observe(self, telemetry: Telemetry) -> None:
         a = self.alpha
         replicas = max(1, telemetry.replicas)
@@ -761,6 +799,7 @@ class ModelPredictivePolicy:
         d = self.rate_decay
         self._arrivals_sum = d * self._arrivals_sum + telemetry.arrivals
         self._time_sum = d * self._time_sum + telemetry.window_s
+        self._arrivals_seen.append((float(telemetry.arrivals), float(telemetry.window_s)))
         self.total_arrival_rate = self._arrivals_sum / self._time_sum
         self.arrival_rate = self.total_arrival_rate / replicas
         if math.isfinite(telemetry.prefill_ms):
@@ -1133,80 +1172,103 @@ class ModelPredictivePolicy:
                 fixed, per_row = np.where(u.plain, plain_fixed, fixed), np.where(u.plain, plain_per_row, per_row)
             return fixed * fixed_correction, per_row * per_row_correction
 
-        f, p = corrected_line(np.full(n, running_now))
         by_batch = u.tokens_minus_1_by_batch
-        if by_batch is not None:  # acceptance depends on the batch: start from the batch running now
-            tokens = self._tokens_at(by_batch, np.full(n, running_now), u.ks_plus_1)
-        # Little: B = λ·L·TPOT = λ·L·(f + p·B) / (1000·n̄)  ⇒  B = x·f / (1 − x·p), x = λL / (1000 n̄).
-        # With batch-dependent tokens n̄(B), or a plain step piecewise in B, fixed-point passes: each
-        # re-reads n̄ and the plain segment at the batch the last one planned.
-        for _ in range(1 if by_batch is None and not plain_table else 3 if plain_table else 2):
-            mean_tokens = _row_sums(tokens * shares)
-            x = lam * length / (1000.0 * mean_tokens)
-            denom = 1.0 - x * p
-            with np.errstate(divide="ignore", invalid="ignore"):
-                little = np.where(denom > 0, x * f / denom, np.inf)
-            overloaded = little > self.max_batch
-            # A request lives through many steps while the batch fluctuates around its Little's-law
-            # mean (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), never below now.
-            planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
-            floor = rows_peak + np.where(np.isfinite(little), little, float(self.max_batch)) if looks_ahead \
-                else running_now
-            batch = np.clip(np.maximum(planned, floor), 1.0, float(self.max_batch))
+        tokens_model = tokens
+
+        def predict(lam_floor: float) -> _Prediction:
+            """Every candidate's latencies, its look-ahead floor planned at ``lam_floor`` req/s per replica."""
+            tokens = tokens_model
+            f, p = corrected_line(np.full(n, running_now))
+            if by_batch is not None:  # acceptance depends on the batch: start from the batch running now
+                tokens = self._tokens_at(by_batch, np.full(n, running_now), u.ks_plus_1)
+            # Little: B = λ·L·TPOT = λ·L·(f + p·B) / (1000·n̄)  ⇒  B = x·f / (1 − x·p), x = λL / (1000 n̄).
+            # With batch-dependent tokens n̄(B), or a plain step piecewise in B, fixed-point passes: each
+            # re-reads n̄ and the plain segment at the batch the last one planned.
+            for _ in range(1 if by_batch is None and not plain_table else 3 if plain_table else 2):
+                mean_tokens = _row_sums(tokens * shares)
+                x = lam * length / (1000.0 * mean_tokens)
+                denom = 1.0 - x * p
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    little = np.where(denom > 0, x * f / denom, np.inf)
+                overloaded = little > self.max_batch
+                # A request lives through many steps while the batch fluctuates around its Little's-law
+                # mean (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), never below now.
+                planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
+                ahead = little
+                if lam_floor != lam:
+                    x_floor = lam_floor * length / (1000.0 * mean_tokens)
+                    denom_floor = 1.0 - x_floor * p
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        ahead = np.where(denom_floor > 0, x_floor * f / denom_floor, np.inf)
+                floor = rows_peak + np.where(np.isfinite(ahead), ahead, float(self.max_batch)) if looks_ahead \
+                    else running_now
+                batch = np.clip(np.maximum(planned, floor), 1.0, float(self.max_batch))
+                if by_batch is not None:
+                    tokens = self._tokens_at(by_batch, batch, u.ks_plus_1)
+                if plain_table:
+                    f, p = corrected_line(batch)
             if by_batch is not None:
-                tokens = self._tokens_at(by_batch, batch, u.ks_plus_1)
-            if plain_table:
-                f, p = corrected_line(batch)
-        if by_batch is not None:
-            mean_tokens = _row_sums(tokens * shares)
-        step = f + p * batch
-        # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
-        # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
-        draft_share = np.asarray(_row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
-        stall = self._stall(lam, act_idx, ks, shares, draft_share)
-        # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
-        catch_up = self._catch_up_tpot(ks, shares, running_now, length, draft_share)
-        if probe is not None:
-            # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running
-            # now, not the requests that arrive over the next probe_after windows.
-            catch_up *= running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0))
-        else:
-            # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a
-            # request's life (about the candidate's planned batch) do not, so it is their share of the charge.
-            catch_up = catch_up * (running_now / (running_now + batch))
-        tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
-        rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
-        wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
-        cost = step / (batch * mean_tokens)  # ms of replica time per output token
+                mean_tokens = _row_sums(tokens * shares)
+            step = f + p * batch
+            # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
+            # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
+            draft_share = np.asarray(_row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
+            stall = self._stall(lam, act_idx, ks, shares, draft_share)
+            # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
+            catch_up = self._catch_up_tpot(ks, shares, running_now, length, draft_share)
+            if probe is not None:
+                # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running
+                # now, not the requests that arrive over the next probe_after windows.
+                catch_up *= running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0))
+            else:
+                # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a
+                # request's life (about the candidate's planned batch) do not, so it is their share of the charge.
+                catch_up = catch_up * (running_now / (running_now + batch))
+            tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
+            rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
+            wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
+            cost = step / (batch * mean_tokens)  # ms of replica time per output token
 
-        # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
-        # No margin while probing speculative steps: the margin guards against two noisy fits, and one of them
-        # is stale. A probe of plain steps keeps it: leaving them again costs the draft's catch-up over the
-        # backlog the probe builds, which nothing here charges (session 17, a contended replica's step load:
-        # probes of plain steps mid-burst at near-ties, each paid back with a full batch's catch-up).
-        switch = 1.0 + (0.0 if probe is True else self.switch_margin) * self._switches_kind(u.plain, active)
-        tpot_ranked = tpot * switch[:, None]
-        cost = cost * switch
+            # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
+            # No margin while probing speculative steps: the margin guards against two noisy fits, and one of them
+            # is stale. A probe of plain steps keeps it: leaving them again costs the draft's catch-up over the
+            # backlog the probe builds, which nothing here charges (session 17, a contended replica's step load:
+            # probes of plain steps mid-burst at near-ties, each paid back with a full batch's catch-up).
+            switch = 1.0 + (0.0 if probe is True else self.switch_margin) * self._switches_kind(u.plain, active)
+            tpot_ranked = tpot * switch[:, None]
+            cost = cost * switch
 
-        meets = np.ones((n, n_t), dtype=bool)
-        # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.
-        ratios: dict[int, list[tuple[str, np.ndarray]]] = {i: [] for i in act_idx}
-        wait_and_step = wait + _TTFT_STEPS * step
-        for i in act_idx:
-            name = self.tier_names[i]
-            tier = self.slo.tiers[name]
-            m = self.margin[name]
-            if tier.tpot_ms is not None:
-                ratio = m * tpot_ranked[:, i] / tier.tpot_ms
-                meets[:, i] &= ratio <= 1.0
-                ratios[i].append(("tpot", ratio))
-            if tier.ttft_ms is not None:
-                ttft = m * wait_and_step + self.prefill_ms[name]
-                ratio = np.minimum(ttft / tier.ttft_ms, 10.0)
-                meets[:, i] &= ratio <= 1.0
-                ratios[i].append(("ttft", ratio))
-            if self.short[name]:
-                meets[:, i] = False
+            meets = np.ones((n, n_t), dtype=bool)
+            # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.
+            ratios: dict[int, list[tuple[str, np.ndarray]]] = {i: [] for i in act_idx}
+            wait_and_step = wait + _TTFT_STEPS * step
+            for i in act_idx:
+                name = self.tier_names[i]
+                tier = self.slo.tiers[name]
+                m = self.margin[name]
+                if tier.tpot_ms is not None:
+                    ratio = m * tpot_ranked[:, i] / tier.tpot_ms
+                    meets[:, i] &= ratio <= 1.0
+                    ratios[i].append(("tpot", ratio))
+                if tier.ttft_ms is not None:
+                    ttft = m * wait_and_step + self.prefill_ms[name]
+                    ratio = np.minimum(ttft / tier.ttft_ms, 10.0)
+                    meets[:, i] &= ratio <= 1.0
+                    ratios[i].append(("ttft", ratio))
+                if self.short[name]:
+                    meets[:, i] = False
+            return _Prediction(batch, step, tokens, mean_tokens, tpot, tpot_ranked, wait, cost, ratios, meets)
+
+        # Plan for the rate the recent windows allow, not only the one measured: at a step's onset the decayed
+        # estimate still reads the light phase. A candidate meets only if it meets at the Poisson upper bound of
+        # the last look_ahead_windows windows' arrivals (a chance constraint); where none does, the most
+        # attainment is ranked at the measured rate — ranked at the bound, a full batch where plain steps are
+        # the cheapest would send the policy to k = 0 on a guess (session 23).
+        lam_bound = self._rate_bound(replicas) if looks_ahead and self.rate_z > 0 else lam
+        predicted = predict(lam_bound)
+        if lam_bound > lam:
+            predicted = predict(lam)._replace(meets=predicted.meets)
+        batch, step, tokens, mean_tokens, tpot, tpot_ranked, wait, cost, ratios, meets = predicted
         if pruned:
             within = np.ones(n, dtype=bool)
         else:  # every joint candidate, tested against every budget (also the reference for the pruning)
@@ -1407,6 +1469,7 @@ class ModelPredictivePolicy:
             "max_replicas": self.max_replicas,
             "scale_down_slack": self.scale_down_slack,
             "look_ahead_windows": self.look_ahead_windows,
+            "rate_z": self.rate_z,
         }
 
     def __repr__(self) -> str:

@@ -124,6 +124,8 @@ class MPCParams(_Params):
     spread_prior: float = Field(0.3, gt=0, description="log-spread of request latencies until measured")
     look_ahead_windows: int = Field(10, ge=0, description="windows whose peak rows (plus Little's batch) every "
                                     "candidate is planned for where the draft's catch-up is modelled; 0: off")
+    rate_z: float = Field(2.0, ge=0, description="with the look-ahead, candidates must meet at this Poisson upper "
+                          "bound (standard deviations) of the recent windows' arrival rate; 0: off")
 
 
 class QualityParams(_Params):

@@ -519,8 +519,9 @@ def test_a_tier_that_starts_drafting_is_charged_the_drafts_catch_up() -> None:
     tiers = window("economy", k=0)
 
     def decide(model: OperatingModel, k_now: int) -> tuple[ModelPredictivePolicy, Decision]:
-        # switch_margin 0: the k = 0 → k > 0 switch pays the catch-up alone here.
-        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0, switch_margin=0.0)
+        # switch_margin 0: the k = 0 → k > 0 switch pays the catch-up alone here; rate_z 0: one window's rate
+        # bound (tested apart) would leave no candidate meeting, and the catch-up is what is compared.
+        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0, switch_margin=0.0, rate_z=0.0)
         policy.current = {n: (0.0, k_now) for n in policy.tier_names}
         return policy, policy.decide(load(4, arrivals=0, tiers=tiers))
 

@@ -510,6 +510,44 @@ def _split_prefill_model() -> OperatingModel:
                                                    "draft_prefill_ms_per_token": 1.0}), source="toy split")
 
 
+def test_with_the_look_ahead_candidates_must_meet_at_the_recent_rates_upper_bound() -> None:
+    """With the draft's catch-up modelled, a candidate meets only if it meets at the Poisson upper bound
+    (Wilson's form, ``rate_z`` standard deviations) of the last ``look_ahead_windows`` windows' arrivals, never
+    below the measured rate: a light phase with a cluster of arrivals drafts at the fastest point within
+    budget instead of the least distortion predicted to meet at the measured rate. Where none meets, the most
+    attainment is ranked at the measured rate, so a larger bound changes nothing more. Without the catch-up
+    (the toy model) the bound is off."""
+    slo = make_slo(economy={"tpot_ms": 70.0})
+    arrivals = [1, 0, 0, 0, 0] * 4 + [1, 0, 1, 1, 0]  # 0.2 req/s, then a cluster
+    rows = [1] * 20 + [1, 1, 2, 2, 3]
+
+    def run(model: OperatingModel, rate_z: float) -> tuple[ModelPredictivePolicy, list[tuple[float, int, bool]]]:
+        policy = ModelPredictivePolicy(slo, model, prompt_tokens=200.0, rate_z=rate_z)
+        out: list[tuple[float, int, bool]] = []
+        k = 0
+        for tick, (a, n) in enumerate(zip(arrivals, rows, strict=True), start=1):
+            d = policy.decide(load(n, arrivals=a, time_s=float(tick), tiers=window("economy", k=k)))
+            k = d.draft_lengths["economy"]
+            out.append((d.thresholds["economy"], k, "best effort" in d.reason))
+        return policy, out
+
+    bounded, with_bound = run(_split_prefill_model(), 2.0)
+    _, without = run(_split_prefill_model(), 0.0)
+    n = sum(arrivals[-10:])  # the look-ahead's 10 one-second windows
+    wilson = (n + 2.0 + 2.0 * math.sqrt(n + 1.0)) / 10.0
+    assert bounded._rate_bound(1) == pytest.approx(wilson) and wilson > bounded.arrival_rate
+    assert bounded._rate_bound(2) == pytest.approx(max(wilson / 2, bounded.arrival_rate))
+    # Without the bound: the least distortion predicted to meet at ~0.3 req/s; with it, the fastest in budget.
+    assert all(not best_effort for _, _, best_effort in without[-8:])
+    assert all(best_effort and t == 2.0 for t, _, best_effort in with_bound[-8:]), with_bound[-8:]
+    assert all(t_b >= t for (t_b, _, _), (t, _, _) in zip(with_bound, without, strict=True))
+    assert run(_split_prefill_model(), 50.0)[1][-8:] == with_bound[-8:]  # ranked at the measured rate
+    assert run(toy_model(), 2.0)[1] == run(toy_model(), 0.0)[1]
+    for bad in (-1.0, math.inf):
+        with pytest.raises(ValueError, match=f"rate_z must be finite and >= 0, got {bad}"):
+            ModelPredictivePolicy(slo, toy_model(), rate_z=bad)
+
+
 def test_a_tier_that_starts_drafting_is_charged_the_drafts_catch_up() -> None:
     """A row that ran at k = 0 has a backlog the draft never saw (prompt and output so far): the candidate
     that makes its tier draft pays one draft forward over the running rows' backlog, spread over a

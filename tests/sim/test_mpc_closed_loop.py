@@ -19,6 +19,14 @@ MIXED = {
     "tier_mix": {"lossless": 0.2, "standard": 0.6, "economy": 0.2},
 }
 
+#: benchmarks/load_sim.py's step load: one 120-s round of 0.1 → 0.5 → 0.1 req/s, economy tier.
+STEP_LOAD = {
+    "name": "step", "duration_s": 120.0,
+    "arrivals": {"kind": "step", "steps": [{"at_s": 0, "rate": 0.1}, {"at_s": 40, "rate": 0.5}, {"at_s": 80, "rate": 0.1}]},
+    "prompt_tokens": {"kind": "fixed", "value": 40}, "output_tokens": {"kind": "fixed", "value": 48},
+    "tier_mix": {"economy": 1.0},
+}
+
 
 def test_shipped_policy_meets_the_slo_at_less_distortion_than_the_static_points_that_do() -> None:
     """3 replicas, tier mix: static T = 0 misses the standard tier's p95 TPOT, static T = 1 meets it.
@@ -128,18 +136,13 @@ def test_look_ahead_drafts_from_the_bursts_first_rows_on_a_host_whose_plain_step
     slo = load_slo("economy", 97.0)
     profile = Profile.default()
     replica = with_plain_step_scale(profile, 1.1)
-    step = {"name": "step", "duration_s": 120.0,
-            "arrivals": {"kind": "step", "steps": [{"at_s": 0, "rate": 0.1}, {"at_s": 40, "rate": 0.5},
-                                                   {"at_s": 80, "rate": 0.1}]},
-            "prompt_tokens": {"kind": "fixed", "value": 40}, "output_tokens": {"kind": "fixed", "value": 48},
-            "tier_mix": {"economy": 1.0}}
 
     def first_quarter_plain(look_ahead: int) -> float:
         shares = []
         for seed in range(100, 106):
             policy = build_policy(json.dumps({"policy": "slo", "look_ahead_windows": look_ahead}), slo, profile)
             res = Simulator(SimConfig(seed=seed, replicas=1, max_batch=8, k=4), replica, slo,
-                            Workload.from_dict(step), policy).run()
+                            Workload.from_dict(STEP_LOAD), policy).run()
             shares.append(high_phase_plain_share(res.timeseries, "economy", 40.0)[0])
         return float(np.mean(shares))
 
@@ -160,11 +163,6 @@ def test_rate_bound_meets_more_of_a_step_loads_requests_below_the_fastest_static
     slo = load_slo("economy", 97.0)
     profile = Profile.default()
     replica = with_plain_step_scale(profile, 1.1)
-    step = {"name": "step", "duration_s": 120.0,
-            "arrivals": {"kind": "step", "steps": [{"at_s": 0, "rate": 0.1}, {"at_s": 40, "rate": 0.5},
-                                                   {"at_s": 80, "rate": 0.1}]},
-            "prompt_tokens": {"kind": "fixed", "value": 40}, "output_tokens": {"kind": "fixed", "value": 48},
-            "tier_mix": {"economy": 1.0}}
     seeds = range(100, 110)
 
     def outcomes(spec: dict[str, object]) -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +170,7 @@ def test_rate_bound_meets_more_of_a_step_loads_requests_below_the_fastest_static
         for seed in seeds:
             policy = build_policy(json.dumps(spec), slo, profile)
             tier = Simulator(SimConfig(seed=seed, replicas=1, max_batch=8, k=4), replica, slo,
-                             Workload.from_dict(step), policy).run().summary["tiers"]["economy"]
+                             Workload.from_dict(STEP_LOAD), policy).run().summary["tiers"]["economy"]
             attained.append(tier["slo_attainment"])
             distortion.append(tier.get("mean_distortion") or 0.0)
         return np.array(attained), np.array(distortion)

@@ -24,7 +24,9 @@ hand.
   replica and mean output length L: ``B = λ·L·TPOT(B)`` solved in closed form (step time is linear in
   B), planned at its upper quantile ``B̄ + z·sqrt(B̄)`` (a request lives through the batch's Poisson
   fluctuations); at least the running batch measured now; no solution below ``max_batch`` ⇒ the
-  candidate is overloaded (queue grows; TTFT unbounded);
+  candidate is overloaded (queue grows; TTFT unbounded). Where the model has the draft's catch-up, at least
+  the recent peak rows plus Little's batch (the look-ahead), and a candidate *meets* only if it meets with
+  that Little batch at the Poisson upper bound of the recent arrivals (``rate_z``; ranked at λ);
 * ``TPOT_τ = step / n_τ / (1 − λ·prefill)`` (joiners' prefills stall the batch), ``prefill`` the
   measured prefill wall time per admitted request (``Telemetry.prefill_ms`` over admissions, decayed
   sums; joiners admitted together share a prefill), scaled by the model's prefill at the candidate's

@@ -1174,6 +1174,24 @@ class ModelPredictivePolicy:
                 fixed, per_row = np.where(u.plain, plain_fixed, fixed), np.where(u.plain, plain_per_row, per_row)
             return fixed * fixed_correction, per_row * per_row_correction
 
+        # What does not depend on the planned batch, once for both of predict's loads:
+        # joiners' prefills stall the running batch (admit, then step): a replica spends a share λ·prefill of its
+        # time prefilling, which stretches every running sequence's TPOT.
+        draft_share = np.asarray(_row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
+        stall = self._stall(lam, act_idx, ks, shares, draft_share)
+        # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
+        catch_up_now = self._catch_up_tpot(ks, shares, running_now, length, draft_share)
+        if probe is not None:
+            # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running now,
+            # not the requests that arrive over the next probe_after windows.
+            catch_up_now = catch_up_now * (
+                running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0)))
+        # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
+        # No margin while probing speculative steps: the margin guards against two noisy fits, and one of them
+        # is stale. A probe of plain steps keeps it: leaving them again costs the draft's catch-up over the
+        # backlog the probe builds, which nothing here charges (session 17, a contended replica's step load:
+        # probes of plain steps mid-burst at near-ties, each paid back with a full batch's catch-up).
+        switch = 1.0 + (0.0 if probe is True else self.switch_margin) * self._switches_kind(u.plain, active)
         by_batch = u.tokens_minus_1_by_batch
         tokens_model = tokens
 
@@ -1212,33 +1230,14 @@ class ModelPredictivePolicy:
             if by_batch is not None:
                 mean_tokens = _row_sums(tokens * shares)
             step = f + p * batch
-            # Joiners' prefills stall the running batch (admit, then step): a replica spends a share
-            # λ·prefill of its time prefilling, which stretches every running sequence's TPOT.
-            draft_share = np.asarray(_row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
-            stall = self._stall(lam, act_idx, ks, shares, draft_share)
-            # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
-            catch_up = self._catch_up_tpot(ks, shares, running_now, length, draft_share)
-            if probe is not None:
-                # A probe is judged over the windows it buys evidence for: the catch-up stalls the rows running
-                # now, not the requests that arrive over the next probe_after windows.
-                catch_up *= running_now / (running_now + lam * self.probe_after * max(telemetry.window_s, 0.0))
-            else:
-                # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a
-                # request's life (about the candidate's planned batch) do not, so it is their share of the charge.
-                catch_up = catch_up * (running_now / (running_now + batch))
+            # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a request's
+            # life (about the candidate's planned batch) do not, so it is their share of the charge.
+            catch_up = catch_up_now if probe is not None else catch_up_now * (running_now / (running_now + batch))
             tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
             rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
             wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
-            cost = step / (batch * mean_tokens)  # ms of replica time per output token
-
-            # Ranked (not predicted): a switch of kind must pay by more than switch_margin.
-            # No margin while probing speculative steps: the margin guards against two noisy fits, and one of them
-            # is stale. A probe of plain steps keeps it: leaving them again costs the draft's catch-up over the
-            # backlog the probe builds, which nothing here charges (session 17, a contended replica's step load:
-            # probes of plain steps mid-burst at near-ties, each paid back with a full batch's catch-up).
-            switch = 1.0 + (0.0 if probe is True else self.switch_margin) * self._switches_kind(u.plain, active)
+            cost = step / (batch * mean_tokens) * switch  # ms of replica time per output token, switch ranked in
             tpot_ranked = tpot * switch[:, None]
-            cost = cost * switch
 
             meets = np.ones((n, n_t), dtype=bool)
             # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.

@@ -49,7 +49,7 @@ from sim.profile import DEFAULT_PROFILE_PATH, Profile  # noqa: E402
 from sim.simulator import SimConfig, Simulator  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
-#: The static grid of the README's real runs, and the shipped policy beside its previous guard.
+#: The static grid of the real runs in docs/figures.md, and the shipped policy beside its previous guard.
 DEFAULT_CONFIGS = {
     "plain": {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "guards": False},
     "static:2:2": {"policy": "static", "thresholds": 2.0, "draft_lengths": 2, "guards": False},
@@ -326,7 +326,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-7"), help="e.g. 0-7 or 1,5,9")
     add_replica_arguments(ap)
-    ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the README's grid)")
+    ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the grid of docs/figures.md's real runs)")
     ap.add_argument("--out", default="results/load_sim.json")
     args = ap.parse_args()
     low, high = (float(x) for x in args.rates.split(","))

@@ -123,7 +123,7 @@ def trace_workload(name: str, trace: str, start_s: float, duration_s: float, sam
 
 
 #: Held-out sets: (calibrated-profile slice start, hand-made slice start) in trace minutes. Set A was
-#: evaluated first (README run 1, seeds 0-4); set B (other slices, seeds 5-9) after the change run 1
+#: evaluated first (docs/figures.md run 1, seeds 0-4); set B (other slices, seeds 5-9) after the change run 1
 #: prompted (run 2); set C (slices at 30 min, seeds 10-14) after the bug fix run 2 led to (run 3).
 #: Set D (seeds 15-19) is the *code* part of the trace, which nothing had used before: evaluated after
 #: the shipped policy's quality guard became a safety net at the budget (session 7).

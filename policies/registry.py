@@ -225,7 +225,7 @@ POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 #: model-predictive control of (T, k) per tier (policies/mpc.py) in the default guards. It predicts
 #: each tier's TPOT/TTFT from the operating model (the simulator injects its profile's; otherwise the
 #: default pair's, policies/models/smollm2-135m.json), corrects the model online and learns its margin
-#: from measured attainment. Evaluated on held-out cases by `benchmarks/policy_compare.py` (README).
+#: from measured attainment. Evaluated on held-out cases by `benchmarks/policy_compare.py` (README, docs/figures.md).
 #: The previous default, a PID on the live mean TPOT 25 % under target, is
 #: {"policy": "pid", "metric": "tpot_live", "setpoint": -0.25}.
 #: Its quality guard is a safety net, not a second budget: the policy already keeps each tier

@@ -19,6 +19,12 @@ The machine's speed drifts over minutes (on the 2-core CPU machines, the same co
 moved by 1.5x between runs), and configurations run one after another: ``--rounds 2`` runs them in a
 palindrome (A B C C B A), so a drift linear in time weighs on each configuration alike; a configuration's
 figures and the criterion pool its rounds' requests, and each round's figures are kept in the report.
+Another policy spec runs beside the shipped one in the same rounds under a name of its own (``--policy
+NAME=JSON``, repeatable; every configuration is validated before the service starts)::
+
+    .venv/bin/python benchmarks/load.py --pair smollm2-135m --phase-s 40 --rates 0.1,0.5 --max-tokens 48 \
+        --tier economy --tpot-ms 97 --rounds 3 --configs plain,static:4:6,slo,relaxed \
+        --policy 'relaxed={"policy": "slo", "initial_margin": 1.0, "rate_z": 0}'
 
 Drive a service that already runs (``fsd serve``; e.g. to record its traffic, docs/rollout.md) with
 ``--url`` (admin token: ``--token`` or ``$FSD_ADMIN_TOKEN``) and ``--configs live`` (keep its policy)::
@@ -124,6 +130,28 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
     return {"name": name, "spec": spec, "records": list(records), "t_samples": samples}
 
 
+def parse_alternatives(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--policy NAME=JSON`` items as {name: spec}. A name must not shadow a built-in configuration."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name or "," in name:
+            raise ValueError(f"--policy {item!r}: expected NAME=JSON (a name without commas)")
+        if name in {"static0", "plain", "static0k4", "ceiling", "slo", "live"} or name.startswith("static:"):
+            raise ValueError(f"--policy {item!r}: {name!r} is a built-in configuration")
+        if name in out:
+            raise ValueError(f"--policy {item!r}: {name!r} given twice")
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--policy {item!r}: not JSON ({e})") from None
+        if not isinstance(spec, dict) or "policy" not in spec:
+            raise ValueError(f"--policy {item!r}: expected a JSON object with a \"policy\" key")
+        out[name] = spec
+    return out
+
+
 def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if name == "live":
         return None
@@ -141,6 +169,9 @@ def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if name == "slo":
         policy: dict[str, Any] = json.loads(args.slo_policy)
         return policy
+    alternatives: dict[str, dict[str, Any]] = getattr(args, "alternatives", {})
+    if name in alternatives:
+        return alternatives[name]
     if name.startswith("static:"):  # static:T or static:T:k, T for the benchmarked tier(s), 0 elsewhere
         parts = name.split(":")[1:]
         try:
@@ -154,7 +185,7 @@ def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
         spec.update({"draft_lengths": k} if k is not None else default_k)
         return spec
     raise ValueError(f"unknown configuration {name!r}; expected static0, plain, static0k4, ceiling, static:T[:k], "
-                     "slo or live")
+                     "slo, live or a name given by --policy")
 
 
 def round_order(configs: list[str], rounds: int) -> list[tuple[int, str]]:
@@ -340,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=None, help="drive this running service instead of starting one")
     p.add_argument("--token", default=None, help="with --url: admin token (default $FSD_ADMIN_TOKEN)")
     p.add_argument("--slo-policy", default='{"policy": "slo"}', help="JSON policy spec for the 'slo' config (default: the shipped SLO policy)")
+    p.add_argument("--policy", dest="policies", action="append", default=[], metavar="NAME=JSON",
+                   help="another adaptive configuration for --configs: its name and JSON policy spec, e.g. "
+                        "'relaxed={\"policy\": \"slo\", \"rate_z\": 0}' (repeatable): compared with the others "
+                        "in the same interleaved rounds")
     p.add_argument("--interval", type=float, default=None, help="control interval (default 1s, 0.5s tiny)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--replica-cpus", type=float, default=1.0)
@@ -355,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from controller.config import parse_config
     from controller.runtime import Service
+    from policies.registry import make_policy
+    from policies.slo import SLOSpec
 
     try:
         order = round_order([c.strip() for c in args.configs.split(",") if c.strip()], args.rounds)
@@ -402,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     # k of the static configurations that do not name one: the started deployment's (a running one's is
     # not known here: those keep the service's).
     args.default_k = None if args.url else cfg.model.num_draft_tokens
+    try:
+        args.alternatives = parse_alternatives(args.policies)
+        for name in dict.fromkeys(n for _, n in order):  # every configuration valid before the service starts
+            config_spec = policy_spec(name, args)
+            if config_spec is not None:
+                make_policy(config_spec, SLOSpec.model_validate(slo))
+    except ValueError as e:  # json.JSONDecodeError included
+        raise SystemExit(f"load: {e}") from None
     times = arrivals(rates, args.phase_s, args.arrival, args.cv, np.random.default_rng(args.seed), args.max_requests)
     duration = args.phase_s * (len(rates) + (1 if len(rates) > 1 else 0))
     runs = []

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.load import criterion, paired_rounds, policy_spec, pool_rounds, round_order
+from benchmarks.load import (
+    criterion,
+    paired_rounds,
+    parse_alternatives,
+    policy_spec,
+    pool_rounds,
+    round_order,
+)
 
 
 def _args(**kw: Any) -> argparse.Namespace:
@@ -32,6 +39,32 @@ def test_static_configs_state_their_k_so_order_does_not_matter() -> None:
 def test_bad_static_configs_name_the_offending_value(name: str) -> None:
     with pytest.raises(ValueError, match="static:"):
         policy_spec(name, _args())
+
+
+def test_named_policies_are_configurations_beside_slo() -> None:
+    alternatives = parse_alternatives(['relaxed={"policy": "slo", "rate_z": 0}', 'pid = {"policy": "pid"}'])
+    assert alternatives == {"relaxed": {"policy": "slo", "rate_z": 0}, "pid": {"policy": "pid"}}
+    args = _args(alternatives=alternatives)
+    assert policy_spec("relaxed", args) == {"policy": "slo", "rate_z": 0}
+    assert policy_spec("slo", args) == {"policy": "slo"}
+    with pytest.raises(ValueError, match="unknown configuration 'other'"):
+        policy_spec("other", args)
+    with pytest.raises(ValueError, match="given twice"):
+        parse_alternatives(['a={"policy": "slo"}', 'a={"policy": "pid"}'])
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("relaxed", "expected NAME=JSON"),
+    ('=[]', "expected NAME=JSON"),
+    ('a,b={"policy": "slo"}', "expected NAME=JSON"),
+    ('slo={"policy": "pid"}', "'slo' is a built-in configuration"),
+    ('static:1={"policy": "pid"}', "'static:1' is a built-in configuration"),
+    ("relaxed={policy: slo}", "not JSON"),
+    ("relaxed=[1]", 'a JSON object with a "policy" key'),
+])
+def test_bad_named_policies_name_the_offending_item(item: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_alternatives([item])
 
 
 def _config(name: str, attainment: float, distortion: float, static: bool = True) -> dict[str, Any]:

@@ -442,6 +442,9 @@ class ModelPredictivePolicy:
     * ``alpha`` — EWMA weight of the newest window in the model corrections and tier shares.
     * ``rate_decay`` — per-window decay of the sums behind the arrival rate and mean output length.
     * ``step_decay`` — per-window decay of the step-time fits (:class:`StepCorrection`).
+    * ``step_slope_prior`` — the spread of the fits' prior on how their correction changes with the batch
+      (:class:`StepCorrection`'s ``slope_prior``): smaller trusts one ratio for every batch until windows far
+      apart in batch show otherwise.
     * ``switch_margin`` — a candidate of the other kind of step than the one in force (plain ↔
       speculative) is ranked as if its steps took this much longer: a switch must pay by more than the
       fits' noise (each kind is corrected from its own few windows), or k flips back and forth.
@@ -479,6 +482,7 @@ class ModelPredictivePolicy:
         alpha: float = 0.3,
         rate_decay: float = 0.97,
         step_decay: float = 0.9,
+        step_slope_prior: float = 1.5,
         switch_margin: float = 0.1,
         probe_after: int = 30,
         min_samples: int = 5,
@@ -512,6 +516,9 @@ class ModelPredictivePolicy:
         if not (0 <= step_decay < 1):
             raise ValueError(f"step_decay must be in [0, 1), got {step_decay}")
         self.step_decay = step_decay
+        if not (math.isfinite(step_slope_prior) and step_slope_prior > 0):
+            raise ValueError(f"step_slope_prior must be finite and > 0, got {step_slope_prior}")
+        self.step_slope_prior = step_slope_prior
         if not (math.isfinite(switch_margin) and switch_margin >= 0):
             raise ValueError(f"switch_margin must be finite and >= 0, got {switch_margin}")
         self.switch_margin = switch_margin
@@ -663,10 +670,10 @@ class ModelPredictivePolicy:
         # over both read the difference as a per-row slope (session 18, contended step load in the
         # simulator: k = 2 and 4 windows at one row after k = 6 ones at three took the per-row factor to
         # its 0.25 bound, and the policy entered the burst at T = 0.75 predicted to meet).
-        self.plain_step = StepCorrection(decay=self.step_decay)
+        self.plain_step = StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)
         self.draft_steps: dict[int, StepCorrection] = {}
         self._draft_last: dict[int, int] = {}  # k_max: the tick its fit last took a window
-        self._no_evidence = StepCorrection(decay=self.step_decay)  # the model's step (never observes)
+        self._no_evidence = StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)  # the model's step (never observes)
         self._ticks = 0
         # Rows running per replica in the last look_ahead_windows windows (the look-ahead's recent peak).
         self._rows_seen: deque[float] = deque(maxlen=max(self.look_ahead_windows, 1))
@@ -754,7 +761,7 @@ class ModelPredictivePolicy:
                        batch: float) -> None:
         fit = self.draft_steps.get(k_max)
         if fit is None:
-            fit = self.draft_steps[k_max] = StepCorrection(decay=self.step_decay)
+            fit = self.draft_steps[k_max] = StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)
         fit.observe(measured_ms, fixed_ms, per_row_ms, batch)
         self._draft_last[k_max] = self._ticks
 
@@ -1459,6 +1466,7 @@ class ModelPredictivePolicy:
             "alpha": self.alpha,
             "rate_decay": self.rate_decay,
             "step_decay": self.step_decay,
+            "step_slope_prior": self.step_slope_prior,
             "switch_margin": self.switch_margin,
             "probe_after": self.probe_after,
             "min_samples": self.min_samples,

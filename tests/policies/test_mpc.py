@@ -168,6 +168,18 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), switch_margin=-0.1)
     with pytest.raises(ValueError, match="probe_after must be >= 1, got 0"):
         ModelPredictivePolicy(make_slo(), toy_model(), probe_after=0)
+    with pytest.raises(ValueError, match="step_slope_prior must be finite and > 0, got 0.0"):
+        ModelPredictivePolicy(make_slo(), toy_model(), step_slope_prior=0.0)
+
+
+def test_the_step_slope_prior_reaches_every_step_fit() -> None:
+    policy = ModelPredictivePolicy(make_slo(), toy_model(), step_slope_prior=0.1)
+    assert policy.plain_step.slope_prior == 0.1
+    policy._observe_draft(4, 300.0, 200.0, 20.0, 2.0)
+    assert policy.draft_steps[4].slope_prior == 0.1
+    assert policy.params()["step_slope_prior"] == 0.1
+    policy.reset()
+    assert policy.plain_step.slope_prior == 0.1
 
 
 def test_a_switch_of_kind_must_pay_more_than_the_switch_margin() -> None:

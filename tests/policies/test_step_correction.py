@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from policies.mpc import plain_step_line
 from policies.step_correction import StepCorrection
 
 FIXED, PER_ROW = 90.0, 9.0  # the model: 90 ms + 9 ms per row
@@ -87,3 +88,31 @@ def test_ratios_and_factors_stay_within_bounds() -> None:
 def test_bad_settings_name_the_offending_value(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         StepCorrection(**kw)  # type: ignore[arg-type]
+
+
+def test_a_tight_slope_prior_keeps_one_ratio_where_the_windows_barely_differ_in_per_row_share() -> None:
+    """The default pair's plain step is a table (44 ms at one row, 64 at two, then 4-5 ms a row), so a window
+    at one row and one at 1.8 rows differ little in the per-row share of their segment (0.44 against 0.59);
+    on the live machine (session 25) steps ran ~1.13x the model at one row and ~0.88x near two. The default
+    prior then draws a steep line: the fixed part well above both ratios, the step at four rows ~1.5x the
+    model. A tight prior keeps one ratio near their mean for every batch."""
+    table = (44.25, 63.88, 76.60, 81.27, 85.17, 89.06, 92.96, 96.85)
+
+    def segment(rows: float) -> tuple[float, float]:
+        fixed, per_row = plain_step_line(table, 48.5, 6.7, rows)
+        return float(fixed), float(per_row)
+
+    def fit(slope_prior: float) -> StepCorrection:
+        c = StepCorrection(slope_prior=slope_prior)
+        for i in range(20):
+            rows, ratio = (1.0, 1.13) if i % 2 == 0 else (1.8, 0.88)
+            f, p = segment(rows)
+            c.observe(ratio * (f + p * rows), f, p, rows)
+        return c
+
+    at_four = segment(4.0)
+    loose, tight = fit(1.5), fit(0.05)
+    assert loose.fixed > 1.6 and loose.per_row < 0.5
+    assert loose.at(*at_four, 4.0) > 1.4
+    assert abs(tight.fixed - tight.per_row) < 0.15
+    assert tight.at(*at_four, 4.0) == pytest.approx(1.0, abs=0.05)

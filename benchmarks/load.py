@@ -130,6 +130,10 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
     return {"name": name, "spec": spec, "records": list(records), "t_samples": samples}
 
 
+#: Configuration names load.py defines itself (besides ``static:T[:k]``); a --policy name must differ.
+BUILT_IN_CONFIGS = ("static0", "plain", "static0k4", "ceiling", "slo", "live")
+
+
 def parse_alternatives(items: list[str]) -> dict[str, dict[str, Any]]:
     """``--policy NAME=JSON`` items as {name: spec}. A name must not shadow a built-in configuration."""
     out: dict[str, dict[str, Any]] = {}
@@ -138,7 +142,7 @@ def parse_alternatives(items: list[str]) -> dict[str, dict[str, Any]]:
         name = name.strip()
         if not sep or not name or "," in name:
             raise ValueError(f"--policy {item!r}: expected NAME=JSON (a name without commas)")
-        if name in {"static0", "plain", "static0k4", "ceiling", "slo", "live"} or name.startswith("static:"):
+        if name in BUILT_IN_CONFIGS or name.startswith("static:"):
             raise ValueError(f"--policy {item!r}: {name!r} is a built-in configuration")
         if name in out:
             raise ValueError(f"--policy {item!r}: {name!r} given twice")

@@ -670,10 +670,10 @@ class ModelPredictivePolicy:
         # over both read the difference as a per-row slope (session 18, contended step load in the
         # simulator: k = 2 and 4 windows at one row after k = 6 ones at three took the per-row factor to
         # its 0.25 bound, and the policy entered the burst at T = 0.75 predicted to meet).
-        self.plain_step = StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)
+        self.plain_step = self._new_step_fit()
         self.draft_steps: dict[int, StepCorrection] = {}
         self._draft_last: dict[int, int] = {}  # k_max: the tick its fit last took a window
-        self._no_evidence = StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)  # the model's step (never observes)
+        self._no_evidence = self._new_step_fit()  # the model's step (never observes)
         self._ticks = 0
         # Rows running per replica in the last look_ahead_windows windows (the look-ahead's recent peak).
         self._rows_seen: deque[float] = deque(maxlen=max(self.look_ahead_windows, 1))
@@ -714,6 +714,9 @@ class ModelPredictivePolicy:
         self.last_decision: Decision | None = None
         self.last_prediction: dict[str, dict[str, float]] = {}
         self._last_time_s: float | None = None
+
+    def _new_step_fit(self) -> StepCorrection:
+        return StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)
 
     def _tokens_at(self, by_batch: np.ndarray, batch: np.ndarray, ks_plus_1: np.ndarray) -> np.ndarray:
         """Corrected tokens per step [candidates, tiers] at each candidate's (fractional) batch, linear
@@ -761,7 +764,7 @@ class ModelPredictivePolicy:
                        batch: float) -> None:
         fit = self.draft_steps.get(k_max)
         if fit is None:
-            fit = self.draft_steps[k_max] = StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)
+            fit = self.draft_steps[k_max] = self._new_step_fit()
         fit.observe(measured_ms, fixed_ms, per_row_ms, batch)
         self._draft_last[k_max] = self._ticks
 

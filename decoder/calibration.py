@@ -71,7 +71,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decoder.acceptance import DIVERGENCES
-from decoder.engine import FSDEngine, RowStats, SamplingParams, StepStats
+from decoder.engine import FSDEngine, RowStats, SamplingParams, StepStats, default_share_kv
 from decoder.models import ModelPair
 from fsd_common.validation import format_validation_error
 
@@ -691,6 +691,7 @@ class Measurement:
     date: str
     setup_notes: str  # what was swept, how hard
     run_notes: str  # how long it took, clock, reuse
+    draft_shares_kv: bool = False  # the engine ran the draft on the target's KV cache: no draft prefill
 
     @property
     def default_div(self) -> str:
@@ -780,4 +781,5 @@ def measure(
         date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         setup_notes=setup_notes,
         run_notes=run_notes,
+        draft_shares_kv=default_share_kv(pair),
     )

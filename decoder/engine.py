@@ -27,6 +27,14 @@ Invariants per running row: the target cache holds every token of the sequence e
 (``pending``) — except before the first iteration of a row that joined an idle engine, when it holds the
 whole prompt and ``prefill_logits`` are the target's logits after it; the draft cache holds every token except ``draft_unseen``.
 
+Shared KV (``share_kv``; by default where the pair's draft is a copy of the target's weights, e.g. the default
+pair's int8 draft of its fp32 target): the draft keeps no cache. Its forwards run on the target's cache, as in
+QSpec (Zhao et al., 2024), writing ``pending`` and its drafts after the sequence; those k slots are cropped
+before the verify forward, which writes the target's own. The draft then never prefills and never catches up
+on tokens emitted at k = 0, so switching a row between k = 0 and k > 0 costs nothing; its proposals are the
+draft's next-token distributions given the target's keys and values, and verification keeps T = 0 exact for
+any proposal distribution. Rows that join an idle engine prefeed their whole prompt only when none drafts.
+
 Sampling: each request has its own ``torch.Generator`` (seeded from ``SamplingParams.seed``, else from
 the engine's generator at admission), and every draw for a row comes from that generator alone: ``2 k_b
 + 1`` uniforms per step (k_b draft draws, k_b acceptance tests, one recovered/bonus draw), drawn at once.
@@ -54,7 +62,16 @@ from decoder.kv_cache import BatchKVCache
 from decoder.sampling import greedy as greedy_token
 from decoder.sampling import sample_from_uniforms, sampling_probs
 
-__all__ = ["DIVERGENCES", "RULES", "FSDEngine", "RequestOutput", "RowStats", "SamplingParams", "StepStats"]
+__all__ = [
+    "DIVERGENCES",
+    "RULES",
+    "FSDEngine",
+    "RequestOutput",
+    "RowStats",
+    "SamplingParams",
+    "StepStats",
+    "default_share_kv",
+]
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -218,6 +235,47 @@ def _check_threshold(threshold: float) -> float:
     return value
 
 
+_SHARED_KV_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+                     "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings")
+
+
+def _float_dtype(model: Any) -> torch.dtype:
+    """The dtype the model computes in: its first floating parameter's (an int8 dynamic draft keeps fp32 ones)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _kv_mismatch(pair: PairLike) -> str | None:
+    """Why the draft cannot run on the target's KV cache (None: it can)."""
+    target, draft = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
+    for name in _SHARED_KV_FIELDS:
+        mine, theirs = getattr(target, name, None), getattr(draft, name, None)
+        if mine != theirs:
+            return f"target {name}={mine!r}, draft {name}={theirs!r}"
+    target_dtype, draft_dtype = _float_dtype(pair.target), _float_dtype(pair.draft)
+    if target_dtype != draft_dtype:
+        return f"target computes in {target_dtype}, draft in {draft_dtype}"
+    return None
+
+
+def default_share_kv(pair: PairLike) -> bool:
+    """Whether an engine over ``pair`` runs the draft on the target's KV cache unless told otherwise."""
+    return _resolve_share_kv(pair, None)
+
+
+def _resolve_share_kv(pair: PairLike, share_kv: bool | None) -> bool:
+    """``share_kv`` as given (True checked against the pair), or the pair's default: shared when its draft is a
+    copy of the target (``ModelPair.draft_is_target_copy``) that computes in the target's dtype."""
+    if share_kv is None:
+        return bool(getattr(pair, "draft_is_target_copy", False)) and _kv_mismatch(pair) is None
+    if not isinstance(share_kv, bool):
+        raise ValueError(f"share_kv must be True, False or None, got {share_kv!r}")
+    if share_kv:
+        mismatch = _kv_mismatch(pair)
+        if mismatch is not None:
+            raise ValueError(f"share_kv=True needs a draft with the target's attention layout and dtype: {mismatch}")
+    return share_kv
+
+
 def _num_layers(model: Any) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
 
@@ -234,6 +292,7 @@ class FSDEngine:
         rule: str = "reducible",
         max_batch_size: int = 8,
         seed: int = 0,
+        share_kv: bool | None = None,
     ) -> None:
         if div not in DIVERGENCES:
             raise ValueError(f"unknown divergence {div!r}; expected one of {', '.join(DIVERGENCES)}")
@@ -248,6 +307,7 @@ class FSDEngine:
         self.rule = rule
         self.max_batch_size = max_batch_size
         self.num_draft_tokens = _check_draft_length(num_draft_tokens)
+        self.share_kv = _resolve_share_kv(pair, share_kv)
         self.device = next(self.target.parameters()).device
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Request] = deque()
@@ -257,6 +317,7 @@ class FSDEngine:
         self._draft_fed: list[bool] = []  # per running row: fed to the draft's first forward this step
         self._catch_up_s = 0.0  # this step's draft catch-up (StepStats.catch_up_time_s)
         self._target_cache = self._new_cache(self.target, 0)
+        # With share_kv the draft runs on the target's cache and this one stays empty.
         self._draft_cache = self._new_cache(self.draft, 0)
 
     # ------------------------------------------------------------------ API
@@ -498,16 +559,20 @@ class FSDEngine:
         # request that joins with k = 0 skips the draft prefill: its whole prompt stays "unseen" by the
         # draft and is fed only if it ever drafts (plain decoding must not pay for a draft).
         drafting = [self._row_draft_length(r) > 0 for r in joining]
+        shared = self.share_kv
         # Into an idle engine the target prefills whole prompts and keeps the last logits for the first token
         # (plain decoding then pays one forward per token, like the target alone). Not beside running rows:
         # a k = 0 row in its first iteration would feed nothing and leave a hole in the target cache, and a
         # cache with holes takes the masked attention path at every later step.
-        prefeed = not self._running
+        # With a shared cache the draft's first forward of a step feeds the token the target has not seen
+        # (``pending``), so a drafting row never prefeeds: the target keeps the prompt's last token for it.
+        prefeed = not self._running and not (shared and any(drafting))
         prefill_logits: torch.Tensor | None = None
-        for model, batch_cache, prefixes in (
-            (self.target, self._target_cache, [r.prompt_ids if prefeed else r.prompt_ids[:-1] for r in joining]),
-            (self.draft, self._draft_cache, [r.prompt_ids[:-1] if d else [] for r, d in zip(joining, drafting, strict=True)]),
-        ):
+        models = [(self.target, self._target_cache, [r.prompt_ids if prefeed else r.prompt_ids[:-1] for r in joining])]
+        if not shared:
+            draft_prefixes = [r.prompt_ids[:-1] if d else [] for r, d in zip(joining, drafting, strict=True)]
+            models.append((self.draft, self._draft_cache, draft_prefixes))
+        for model, batch_cache, prefixes in models:
             width = max(len(p) for p in prefixes)
             joining_cache = self._new_cache(model, len(joining))
             if width:
@@ -519,7 +584,7 @@ class FSDEngine:
         for j, (r, d) in enumerate(zip(joining, drafting, strict=True)):
             r.pending = r.prompt_ids[-1]
             r.prefill_logits = prefill_logits[j] if prefeed and prefill_logits is not None else None
-            r.draft_unseen = [r.prompt_ids[-1]] if d else list(r.prompt_ids)
+            r.draft_unseen = [] if shared else [r.prompt_ids[-1]] if d else list(r.prompt_ids)
             self._running.append(r)
         return time.perf_counter() - start, sum(len(r.prompt_ids) for r in joining)
 
@@ -566,8 +631,16 @@ class FSDEngine:
         # The first forward feeds the tokens the draft has not seen, left-padded to a common width: every
         # drafting row's, and a k_b = 0 row's while they are few (it keeps its draft cache current for
         # free; a long backlog, e.g. a whole prompt, waits until the row drafts itself).
-        fed = [n > 0 or len(r.draft_unseen) <= _MAX_PASSIVE_UNSEEN for r, n in zip(running, lengths, strict=True)]
-        unseen = [r.draft_unseen if f else [] for r, f in zip(running, fed, strict=True)]
+        if self.share_kv:
+            # The draft writes its keys and values into the target's cache after the sequence (which holds
+            # everything but ``pending``); they are all dropped again before the verify forward.
+            cache = self._target_cache
+            fed = [n > 0 for n in lengths]
+            unseen = [[r.pending] if f else [] for r, f in zip(running, fed, strict=True)]
+        else:
+            cache = self._draft_cache
+            fed = [n > 0 or len(r.draft_unseen) <= _MAX_PASSIVE_UNSEEN for r, n in zip(running, lengths, strict=True)]
+            unseen = [r.draft_unseen if f else [] for r, f in zip(running, fed, strict=True)]
         width = max(len(u) for u in unseen)
         feed, valid = self._padded(unseen, width, left=True)
         self._draft_fed = fed
@@ -577,7 +650,7 @@ class FSDEngine:
         forward_s: list[float] = []
         for i in range(k):
             started = time.perf_counter()
-            logits = self._forward(self.draft, self._draft_cache, feed, valid, logits_to_keep=1)[:, -1].float()
+            logits = self._forward(self.draft, cache, feed, valid, logits_to_keep=1)[:, -1].float()
             forward_s.append(time.perf_counter() - started)
             probs = sampling_probs(logits, *sampling)
             tokens = greedy_token(probs)
@@ -591,7 +664,9 @@ class FSDEngine:
                 feed = tokens[:, None]
                 valid = still_drafting[:, i : i + 1]
         self._draft_first_width = width
-        if width > _MAX_PASSIVE_UNSEEN:  # a backlog was fed: what the first forward took beyond the others
+        if self.share_kv:
+            cache.reject_tail(k, [0] * len(running))  # every slot the draft wrote: the tail is cropped, no holes
+        elif width > _MAX_PASSIVE_UNSEEN:  # a backlog was fed: what the first forward took beyond the others
             ordinary = sum(forward_s[1:]) / (k - 1) if k > 1 else 0.0
             self._catch_up_s = max(forward_s[0] - ordinary, 0.0)
         div_logits = torch.stack(logit_steps, 1) if need_div else None
@@ -628,7 +703,7 @@ class FSDEngine:
                 self._target_cache.reject_tail(k, num_accepted)
         else:
             self._target_cache.reject_tail(k + 1, [n + 1 for n in num_accepted])
-        if k > 0:
+        if k > 0 and not self.share_kv:
             # Draft slots: [pad.., unseen.., d_1..d_{k-1}] -> keep the unseen tokens and the accepted drafts
             # that were fed (d_{k_b} never is).
             width = self._draft_first_width
@@ -661,7 +736,9 @@ class FSDEngine:
             r.iterations += 1
             # Cache invariants for the next iteration.
             r.pending = tokens[-1]
-            if ran_draft and self._draft_fed[b]:
+            if self.share_kv:
+                pass  # the draft reads the target's cache: it has no backlog of its own
+            elif ran_draft and self._draft_fed[b]:
                 r.draft_unseen = ([drafts[k_b - 1]] if k_b > 0 and n == k_b else []) + [tokens[-1]]
             else:  # the draft was not fed this row: it has still not seen what it had not seen before
                 r.draft_unseen = r.draft_unseen + [tokens[-1]]
@@ -734,7 +811,8 @@ class FSDEngine:
         drop = set(indices)
         keep = [i for i in range(len(self._running)) if i not in drop]
         self._target_cache.select_rows(keep)
-        self._draft_cache.select_rows(keep)
+        if not self.share_kv:
+            self._draft_cache.select_rows(keep)
         self._running = [self._running[i] for i in keep]
 
     @staticmethod

@@ -78,6 +78,10 @@ class ModelPair:
     max_context: int  # positions the target supports (config.max_position_embeddings)
     eos_token_ids: tuple[int, ...]
     description: str = ""
+    # The draft is a quantized (or otherwise lightly altered) copy of the target's own weights, so its keys
+    # and values are the target's up to that alteration: the engine may run it on the target's KV cache
+    # (FSDEngine's share_kv) instead of keeping a cache of its own.
+    draft_is_target_copy: bool = False
 
     def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool = True) -> list[int]:
         """Token ids for ``prompt``.
@@ -531,6 +535,7 @@ def _assemble(
     draft: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     description: str,
+    draft_is_target_copy: bool = False,
 ) -> ModelPair:
     _check_model_vocab_sizes(target, draft, len(tokenizer))
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)
@@ -544,6 +549,7 @@ def _assemble(
         max_context=max_context,
         eos_token_ids=eos_token_ids_for(tokenizer, target),
         description=description or f"{name}: target {describe_dtype(target)} → draft {describe_dtype(draft)}",
+        draft_is_target_copy=draft_is_target_copy,
     )
 
 

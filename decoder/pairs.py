@@ -107,7 +107,7 @@ def _load_smollm2(spec: PairSpec, options: LoadOptions) -> ModelPair:
     base, tokenizer = model_fetch.load_smollm2(spec.name, torch.float32)
     draft = _make_draft(base, wanted_draft, copy_of=True)
     target = base.to(target_dtype)  # type: ignore[arg-type]  # transformers types .to's wrapper oddly
-    return _assemble(spec.name, target, draft, tokenizer, _described(spec, options, target, draft))
+    return _assemble(spec.name, target, draft, tokenizer, _described(spec, options, target, draft), draft_is_target_copy=True)
 
 
 def _load_fetched(spec: PairSpec, options: LoadOptions) -> ModelPair:

@@ -112,6 +112,8 @@ class CalibrationMeasurement(Protocol):
     def setup_notes(self) -> str: ...
     @property
     def run_notes(self) -> str: ...
+    @property
+    def draft_shares_kv(self) -> bool: ...
     def record_json(self) -> dict[str, Any]: ...
 
 
@@ -228,8 +230,9 @@ def _max_rel_error(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.max(np.abs(predicted - measured) / np.maximum(np.abs(measured), 1e-9)))
 
 
-def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
-    """Non-negative least-squares fit of the profile's latency model to the measured points."""
+def fit_latency(samples: Sequence[LatencyPoint], draft_prefill_apart: bool = True) -> LatencyFit:
+    """Non-negative least-squares fit of the profile's latency model to the measured points (``draft_prefill_apart``:
+    the draft's prefill fitted apart where joins at k = 0 and k > 0 were both timed)."""
     decode = [s for s in samples if s.phase == "decode" and s.k >= 1]
     plain = [s for s in samples if s.phase == "decode" and s.k == 0]
     prefill = [s for s in samples if s.phase == "prefill"]
@@ -250,7 +253,7 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
     pre = np.array([s.prefill_ms for s in prefill])
     drafting = np.array([s.k > 0 for s in prefill], dtype=float)
     draft_prefill_fixed = draft_prefill_per_token = 0.0
-    if 0.0 < drafting.mean() < 1.0:
+    if draft_prefill_apart and 0.0 < drafting.mean() < 1.0:
         # Joins at k = 0 (target alone) and at k > 0 (target and draft): the draft's prefill apart.
         prefill_design = np.stack([np.ones_like(tok), tok, drafting, drafting * tok], axis=1)
         prefill_fixed, prefill_per_token, draft_prefill_fixed, draft_prefill_per_token = _nnls(prefill_design, pre)
@@ -307,7 +310,8 @@ def fit_latency(samples: Sequence[LatencyPoint]) -> LatencyFit:
 def fit_profile(measurement: CalibrationMeasurement, command: str = "") -> Profile:
     """The validated Profile of a calibration: acceptance and latency fitted, the raw data kept in
     ``Profile.calibration`` (the measurement's record plus the fit quality)."""
-    fit = fit_latency(measurement.latency)
+    # An engine whose draft reads the target's KV cache never prefills the draft: one prefill for every join.
+    fit = fit_latency(measurement.latency, draft_prefill_apart=not measurement.draft_shares_kv)
     points = fit_acceptance(measurement.acceptance)
     notes = (
         f"{measurement.setup_notes} Acceptance/distortion are isotonic (in T) fits of "

@@ -4,10 +4,12 @@ A request that joins at k = 0 skips the draft's prefill and its tokens stay unse
 decodes plainly; the first step at k > 0 runs the draft over every row's backlog (prompt + output so far)
 in one left-padded forward. Per case: B requests of P filler tokens join at k = 0, decode N plain steps,
 switch to k; the switching step and the median of the next steps are timed. ``extra_ms`` = switching step
-− steady step; ``model_ms`` = the profile's ``draft_catch_up_ms(B × (P + N + 1))``. Reported, not asserted;
-prints JSON (and writes ``--out``).
+− steady step; ``model_ms`` = the profile's ``draft_catch_up_ms(B × (P + N + 1))``. ``--share-kv both`` runs
+every case with the draft on its own cache and on the target's (``FSDEngine(share_kv=...)``: no backlog to
+catch up on), interleaved. Reported, not asserted; prints JSON (and writes ``--out``).
 
     .venv/bin/python benchmarks/draft_catch_up.py --out results/draft_catch_up.json    # default pair, ~2 min
+    .venv/bin/python benchmarks/draft_catch_up.py --share-kv both --out results/draft_catch_up_shared.json
     .venv/bin/python benchmarks/draft_catch_up.py --pair tiny --profile <tiny profile>  # smoke
 """
 
@@ -44,6 +46,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steady-steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (calibration uses 1)")
+    ap.add_argument("--share-kv", choices=("auto", "on", "off", "both"), default="off",
+                    help="the draft on the target's KV cache: the pair's default, on, off (default: the catch-up "
+                    "this measures exists only then), or both modes interleaved")
     ap.add_argument("--out", default="results/draft_catch_up.json")
     args = ap.parse_args()
     if args.k < 1 or args.repeats < 1 or args.steady_steps < 1 or args.threads < 1:
@@ -52,11 +57,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     pair = load_pair(args.pair)
     latency = (Profile.load(args.profile) if args.profile else Profile.default()).latency
+    mode_lists: dict[str, list[bool | None]] = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}
+    modes = mode_lists[args.share_kv]
     rows = []
     for prompt_tokens, batch, plain_steps in CASES:
         prompt_tokens = min(prompt_tokens, pair.max_context // 2)
-        for rep in range(args.repeats):
-            engine = FSDEngine(pair, num_draft_tokens=0, div="kl", max_batch_size=batch, seed=rep)
+        for rep, share_kv in ((r, m) for r in range(args.repeats) for m in modes):
+            engine = FSDEngine(pair, num_draft_tokens=0, div="kl", max_batch_size=batch, seed=rep, share_kv=share_kv)
             prompt = list(range(1000, 1000 + prompt_tokens))
             params = [SamplingParams(temperature=1.0, max_new_tokens=plain_steps + 4 * (args.k + 1) * args.steady_steps,
                                      eos_token_ids=(), seed=r) for r in range(batch)]
@@ -77,9 +84,10 @@ def main() -> int:
             steady_ms = statistics.median(steady)
             rows.append({
                 "prompt_tokens": prompt_tokens, "rows": batch, "backlog_per_row": backlog, "repeat": rep,
+                "share_kv": engine.share_kv, "switching_catch_up_ms": round(switching.catch_up_time_s * 1e3, 1),
                 "switching_step_ms": round(switch_ms, 1), "switching_draft_ms": round(switching.draft_time_s * 1e3, 1),
                 "steady_step_ms": round(steady_ms, 1), "extra_ms": round(switch_ms - steady_ms, 1),
-                "model_ms": round(latency.draft_catch_up_ms(batch * backlog), 1),
+                "model_ms": round(latency.draft_catch_up_ms(batch * backlog), 1) if not engine.share_kv else 0.0,
             })
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     out = {

@@ -61,6 +61,11 @@ class ModelConfig(_Section):
     div: str = Field("kl", min_length=1, description="divergence D compared with T (decoder's names)")
     rule: str = Field("reducible", min_length=1, description="FSD acceptance rule (decoder's names)")
     max_batch_size: int = Field(8, ge=1, le=256, description="max sequences in one engine step")
+    share_kv: bool | None = Field(
+        None, description="native engine: the draft runs on the target's KV cache (no draft prefill, no catch-up "
+        "when a row starts drafting); None = the pair's default: shared where the draft is a copy of the target "
+        "(smollm2-135m), not for separate draft models"
+    )
     torch_threads: int | None = Field(
         1, ge=1, description="torch intra-op threads per replica (None = torch's default)"
     )

@@ -71,13 +71,16 @@ def build_policy(spec: Mapping[str, Any] | str | None, slo: SLOSpec,
 
 
 def served_operating_model(pair: str, div: str, profile_path: str | None = None,
-                           draft_dtype: str | None = None) -> tuple[OperatingModel | None, str]:
+                           draft_dtype: str | None = None,
+                           share_kv: bool | None = None) -> tuple[OperatingModel | None, str]:
     """The model-predictive policy's model of the served pair: from ``profile_path`` when given (a
     profile calibrated on the serving machine; ValueError naming it when it cannot be read), else from
     its calibrated profile ``sim/profiles/<pair>.json`` when there is one (the configured divergence
     where the profile has it), else None (the policy's default, the default pair's model). Also a line
     saying which, for status; with a ``draft_dtype`` override the profile was not calibrated with, the
-    line (and the log) says so: its acceptance is another draft's."""
+    line (and the log) says so: its acceptance is another draft's. With ``share_kv`` False (the draft on its own
+    KV cache) the pair's ``sim/profiles/<pair>-separate-kv.json`` where there is one: that engine prefills the
+    draft apart and catches it up, which the shared-cache profile does not model."""
     from policies.mpc import DEFAULT_MODEL_PATH
     from sim.profile import PROFILES_DIR, Profile
 
@@ -105,6 +108,8 @@ def served_operating_model(pair: str, div: str, profile_path: str | None = None,
                 checked(profile, f"control.profile {profile_path} ({profile.provenance.pair}; div {use_div}; k = 0 "
                                  f"{profile.plain_decoding_source})"))
     path = PROFILES_DIR / f"{pair}.json"
+    if share_kv is False and (PROFILES_DIR / f"{pair}-separate-kv.json").is_file():
+        path = PROFILES_DIR / f"{pair}-separate-kv.json"
     if Path(pair).name != pair or not path.is_file():
         return None, (f"default model policies/models/{DEFAULT_MODEL_PATH.name} (the default pair's): no "
                       f"calibrated profile sim/profiles/{pair}.json for the served pair {pair!r}")
@@ -226,7 +231,8 @@ class FSDController:
         self._replicas = replicas
         self._slo = self._cfg.slo
         self._operating_model, self._operating_model_source = served_operating_model(
-            self._cfg.model.pair, self._cfg.model.div, self._cfg.control.profile, self._cfg.model.draft_dtype)
+            self._cfg.model.pair, self._cfg.model.div, self._cfg.control.profile, self._cfg.model.draft_dtype,
+            self._cfg.model.share_kv)
         # Serve's replica bounds when the policy's Decision.replicas drives its autoscaler (else None).
         self._replica_bounds = steered_replica_bounds(self._cfg)
         self._policy, self._policy_spec = self._build(self._cfg.control.policy, self._slo)

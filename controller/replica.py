@@ -229,6 +229,7 @@ class FSDReplica:
             rule=self._cfg.model.rule,
             max_batch_size=self._cfg.model.max_batch_size,
             seed=self._cfg.model.seed,
+            share_kv=self._cfg.model.share_kv,
         )
         return pair, engine
 

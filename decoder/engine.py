@@ -241,7 +241,8 @@ _SHARED_KV_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_
 
 def _float_dtype(model: Any) -> torch.dtype:
     """The dtype the model computes in: its first floating parameter's (an int8 dynamic draft keeps fp32 ones)."""
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype: torch.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return dtype
 
 
 def _kv_mismatch(pair: PairLike) -> str | None:

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # Calibrated on the engine (``fsd calibrate``): SmolLM2-135M fp32 → int8, one torch thread, 2-core CPU.
 DEFAULT_PROFILE_PATH = PROFILES_DIR / "smollm2-135m.json"
+# The same pair with the draft on its own KV cache (``model.share_kv: false``; the default until session 26):
+# the draft prefills apart and catches up on what rows emitted at k = 0 (calibrated 2026-12-03, AVX2).
+SEPARATE_KV_PROFILE_PATH = PROFILES_DIR / "smollm2-135m-separate-kv.json"
 # Hand-made from ../shared/MEASURED.md (bare forwards at 2 threads, ~3x faster iterations than the
 # calibrated one-thread replica): the "what if each replica had two quiet cores" scenario the shipped
 # SLOSpec.default() tiers are sized for; the simulator tests and policy comparison use it.

@@ -385,6 +385,12 @@ def test_the_controller_models_the_served_pair_where_a_calibrated_profile_exists
     _, other = served_operating_model("smollm2-135m", "kl", draft_dtype="int8")
     assert "WARNING: calibrated with target fp32 / draft int8 per row, serving draft int8 dynamic" in other
     assert "fsd calibrate --draft-dtype int8" in other
+    # The draft on its own cache (model.share_kv: false) has its own profile: the draft's prefill and catch-up.
+    model, source = served_operating_model("smollm2-135m", "kl", share_kv=False)
+    assert model is not None and "sim/profiles/smollm2-135m-separate-kv.json" in source
+    assert model.cost.draft_prefill_ms_per_token > 0
+    shared, _ = served_operating_model("smollm2-135m", "kl", share_kv=True)
+    assert shared is not None and shared.cost.draft_prefill_ms_per_token == 0
 
 
 def test_control_profile_gives_the_policy_a_machine_calibrated_model(tmp_path: Any) -> None:

@@ -8,7 +8,7 @@ import pytest
 from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel
 from policies.slo import SLOSpec
 from sim.inputs import build_policy
-from sim.profile import Profile
+from sim.profile import SEPARATE_KV_PROFILE_PATH, Profile
 from sim.workload import Workload
 from tests.sim.conftest import handmade_profile, run_sim
 
@@ -107,7 +107,7 @@ def test_load_sims_forward_overhead_adds_to_every_forward_pass() -> None:
     at k (any mix of rows) k + 1 times, a prefill once per model it runs, the draft's catch-up once."""
     from benchmarks.load_sim import with_forward_overhead
 
-    base = Profile.default()
+    base = Profile.load(SEPARATE_KV_PROFILE_PATH)
     assert base.latency.models_draft_prefill  # else the draft's prefill is not modelled apart
     slow = with_forward_overhead(base, 20.0)
     for k in (0, 2, 4, 6):
@@ -134,7 +134,7 @@ def test_look_ahead_drafts_from_the_bursts_first_rows_on_a_host_whose_plain_step
     from sim.simulator import SimConfig, Simulator
 
     slo = load_slo("economy", 97.0)
-    profile = Profile.default()
+    profile = Profile.load(SEPARATE_KV_PROFILE_PATH)  # the look-ahead and its catch-up exist where the draft has its own cache
     replica = with_plain_step_scale(profile, 1.1)
 
     def first_quarter_plain(look_ahead: int) -> float:
@@ -161,7 +161,7 @@ def test_rate_bound_meets_more_of_a_step_loads_requests_below_the_fastest_static
     from sim.simulator import SimConfig, Simulator
 
     slo = load_slo("economy", 97.0)
-    profile = Profile.default()
+    profile = Profile.load(SEPARATE_KV_PROFILE_PATH)  # the look-ahead and its catch-up exist where the draft has its own cache
     replica = with_plain_step_scale(profile, 1.1)
     seeds = range(100, 110)
 

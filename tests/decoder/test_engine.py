@@ -359,10 +359,10 @@ def far_pair() -> ModelPair:
     return tiny_pair(seed=1, draft_noise=1.0)
 
 
-@pytest.mark.parametrize(("position", "k"), [(0, 3), (1, 3), (1, 0)])
-def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair, position: int, k: int) -> None:
+@pytest.mark.parametrize(("position", "k", "share_kv"), [(0, 3, False), (1, 3, False), (1, 0, False), (1, 3, True)])
+def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair, position: int, k: int, share_kv: bool) -> None:
     """Chi-square: the token at ``position`` under SD (T=0; k = 0: plain decoding) is distributed as target
-    sampling."""
+    sampling, with the draft on its own cache or on the target's (``share_kv``)."""
     pair = far_pair
     prompt, temperature, top_k, n = PROMPTS[4], 0.9, 40, 3000
     with torch.inference_mode():
@@ -373,7 +373,7 @@ def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair, positi
             contexts = torch.cat([torch.tensor([prompt]).expand(first.shape[0], -1), torch.arange(first.shape[0])[:, None]], 1)
             second = sampling_probs(pair.target(input_ids=contexts).logits[:, -1], temperature, top_k)
             expected = first @ second
-    engine = FSDEngine(pair, num_draft_tokens=k, max_batch_size=100)
+    engine = FSDEngine(pair, num_draft_tokens=k, max_batch_size=100, share_kv=share_kv)
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=2, eos_token_ids=(), seed=s) for s in range(n)]
     for s, p in enumerate(params):
         engine.add_request(str(s), prompt, p, threshold=0.0)

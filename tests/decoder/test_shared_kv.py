@@ -1,26 +1,21 @@
-"""The draft on the target's KV cache (FSDEngine's share_kv): exact at T = 0, no draft prefill, no catch-up."""
+"""The draft on the target's KV cache (FSDEngine's share_kv): exact at T = 0, no draft prefill, no catch-up.
+(Sampling at T = 0 with it: tests/decoder/test_engine.py's chi-square test, share_kv=True.)"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
-import torch
-from scipy.stats import chisquare
 
-from decoder.engine import FSDEngine, SamplingParams
+from decoder.engine import FSDEngine
 from decoder.models import ModelPair, tiny_pair
-from decoder.sampling import sampling_probs
-from tests.decoder.test_engine import PROMPTS, greedy_params, sampled, target_greedy
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.decoder.test_engine import (  # noqa: F401  (one_thread: the module's autouse fixture)
+    PROMPTS,
+    greedy_params,
+    one_thread,
+    sampled,
+    target_greedy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -108,36 +103,3 @@ def test_pair_default_and_bad_values(pair: ModelPair) -> None:
         FSDEngine(mixed, share_kv=True)
     with pytest.raises(ValueError, match="'yes'"):
         FSDEngine(pair, share_kv="yes")  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def far_pair() -> ModelPair:
-    return tiny_pair(seed=1, draft_noise=1.0)
-
-
-def test_t0_sampling_follows_the_target_distribution(far_pair: ModelPair) -> None:
-    """Chi-square: the second token under SD on the shared cache (T = 0, k = 3) is distributed as target sampling."""
-    pair = far_pair
-    prompt, temperature, top_k, n = PROMPTS[4], 0.9, 40, 3000
-    with torch.inference_mode():
-        first = sampling_probs(pair.target(input_ids=torch.tensor([prompt])).logits[0, -1], temperature, top_k)
-        contexts = torch.cat([torch.tensor([prompt]).expand(first.shape[0], -1), torch.arange(first.shape[0])[:, None]], 1)
-        second = sampling_probs(pair.target(input_ids=contexts).logits[:, -1], temperature, top_k)
-        expected = first @ second
-    engine = FSDEngine(pair, num_draft_tokens=3, max_batch_size=100, share_kv=True)
-    for s in range(n):
-        params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=2, eos_token_ids=(), seed=s)
-        engine.add_request(str(s), prompt, params, threshold=0.0)
-    engine.run_to_completion()
-    counts = torch.zeros_like(expected)
-    for s in range(n):
-        counts[engine.output(str(s)).token_ids[1]] += 1
-    assert counts[expected == 0].sum() == 0, "a token outside the top-k support was emitted"
-    big = expected * n >= 5
-    small = ~big & (expected > 0)
-    observed, predicted = counts[big].double(), expected[big].double() * n
-    if small.any():
-        observed = torch.cat([observed, counts[small].sum()[None].double()])
-        predicted = torch.cat([predicted, expected[small].sum()[None].double() * n])
-    result = chisquare(observed.numpy(), predicted.numpy() * n / predicted.sum().item())
-    assert result.pvalue > 1e-3, (result, int(big.sum()))

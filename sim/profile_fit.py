@@ -369,6 +369,10 @@ def headline(profile: Profile) -> dict[str, Any]:
     }
 
 
+#: Accepted and rejected drafts a request must expect for :func:`fit_request_acceptance` to use its group.
+_MIN_EXPECTED = 5.0
+
+
 def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str = "",
                            groups: ArrayLike | None = None) -> RequestAcceptance | None:
     """κ of :class:`~sim.profile.RequestAcceptance` from per-request counts (drafted tokens and how many
@@ -382,7 +386,12 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
     through the request's shift); method of moments: ``2·ψ₁(κ/2) = var(logit p̂) − mean sampling
     variance``, solved for κ (ψ₁ is decreasing). Per-position acceptance is summarised by the
     per-request rate accepted / drafted, so the fit is approximate; it needs tens of requests with
-    tens of drafts each.
+    tens of drafts each. The delta method's sampling variance holds only where a request expects at least
+    ``_MIN_EXPECTED`` accepted and as many rejected drafts (mean drafts × min(rate, 1 − rate), the normal
+    approximation's rule); a group outside it (acceptance saturating near 1 at a large T) is left out: its
+    rates pile up at 1, where the formula overstates the noise several times and would cancel the spread the
+    other groups measure (session 27: the session-26 calibration's T = 0 groups show κ ≈ 16, pooled with
+    its T = 0.5 and 1 groups they showed none).
     """
     from scipy.special import polygamma
 
@@ -394,11 +403,8 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
         raise ValueError(f"need at least 3 requests to fit a spread, got {acc.size}")
     if np.any(drf <= 0) or np.any(acc < 0) or np.any(acc > drf):
         raise ValueError("every request needs drafted > 0 and 0 <= accepted <= drafted")
-    log_odds = np.log((acc + 0.5) / (drf - acc + 0.5))
-    rates = (acc + 0.5) / (drf + 1.0)
-    sampling = float(np.mean(1.0 / (drf * rates * (1.0 - rates))))
     if groups is None:
-        variance = float(np.var(log_odds, ddof=1))
+        index = np.zeros(acc.size, dtype=np.int64)
     else:
         labels = np.asarray(groups)
         if labels.shape != acc.shape:
@@ -407,8 +413,24 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
         n_groups = int(index.max()) + 1
         if acc.size - n_groups < 2:
             raise ValueError(f"need at least 2 more requests than groups, got {acc.size} in {n_groups} groups")
-        means = np.bincount(index, weights=log_odds) / np.bincount(index)
-        variance = float(np.sum((log_odds - means[index]) ** 2) / (acc.size - n_groups))
+    # Groups where the binomial noise of a request's log-odds follows the delta method (see the docstring).
+    counts = np.bincount(index)
+    group_rate = np.bincount(index, weights=acc) / np.bincount(index, weights=drf)
+    expected = np.bincount(index, weights=drf) / counts * np.minimum(group_rate, 1.0 - group_rate)
+    usable = (expected >= _MIN_EXPECTED) & (counts >= 2)
+    keep = usable[index]
+    if not keep.any():
+        return None
+    total = acc.size
+    acc, drf, index = acc[keep], drf[keep], np.unique(index[keep], return_inverse=True)[1]
+    n_groups = int(index.max()) + 1
+    if acc.size - n_groups < 2:
+        return None
+    log_odds = np.log((acc + 0.5) / (drf - acc + 0.5))
+    rates = (acc + 0.5) / (drf + 1.0)
+    sampling = float(np.mean(1.0 / (drf * rates * (1.0 - rates))))
+    means = np.bincount(index, weights=log_odds) / np.bincount(index)
+    variance = float(np.sum((log_odds - means[index]) ** 2) / (acc.size - n_groups))
     excess = variance - sampling
     if excess <= 0.0:
         return None
@@ -427,7 +449,10 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
             else:
                 high = mid
         kappa = math.sqrt(low * high)
-    return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {acc.size} requests")
+    used = f"fit_request_acceptance over {acc.size} requests"
+    if acc.size < total:
+        used += f" of {total} (the others in groups whose acceptance saturates)"
+    return RequestAcceptance(concentration=kappa, source=f"{source}; {used}" if source else used)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,3 +123,27 @@ def test_grouped_fit_measures_the_spread_within_each_operating_point() -> None:
     assert pooled is not None and pooled.concentration < 0.7 * kappa
     with pytest.raises(ValueError, match="groups must label every request"):
         fit_request_acceptance(acc, drf, groups=groups[:-1])
+
+
+def test_grouped_fit_leaves_out_groups_whose_acceptance_saturates() -> None:
+    """A group at acceptance ~0.99 (a large T: most requests accept every draft) beside one at 0.6: the
+    delta method overstates the saturated group's noise several times, so pooled with it the spread the
+    other group carries would vanish; the fit uses the unsaturated group alone and gets κ back within
+    25 % (session 26's calibration: κ ≈ 16 at T = 0, "none" when pooled with T = 0.5 and 1)."""
+    from sim.profile import RequestAcceptance
+
+    rng = np.random.default_rng(7)
+    kappa = 8.0
+    accepted, drafted, groups = [], [], []
+    for label, rate in (("T0", 0.6), ("T1", 0.995)):
+        d = rng.integers(40, 61, size=300)
+        odds = RequestAcceptance(concentration=kappa).draw_odds_scales(rng, d.size)
+        accepted.append(rng.binomial(d, shifted_acceptance(np.array(rate), odds)))
+        drafted.append(d)
+        groups += [label] * d.size
+    acc, drf = np.concatenate(accepted), np.concatenate(drafted)
+    fitted = fit_request_acceptance(acc, drf, groups=groups)
+    assert fitted is not None and fitted.concentration == pytest.approx(kappa, rel=0.25)
+    assert "300 requests" in fitted.source  # the saturated group's 300 were left out
+    # Only saturated requests: nothing to fit from.
+    assert fit_request_acceptance(accepted[1], drafted[1]) is None

@@ -34,7 +34,7 @@ from sim.prompts import PROMPTS  # noqa: E402
 POINTS = ((0.0, 4, 1), (0.0, 4, 4), (1.0, 4, 4), (4.0, 6, 4))  # (T, k, batch)
 
 
-def run_point(pair: ModelPair, prompts: list[list[int]], share_kv: bool, threshold: float, k: int, batch: int,
+def run_point(pair: ModelPair, prompts: list[list[int]], share_kv: bool | None, threshold: float, k: int, batch: int,
               max_tokens: int, seed: int) -> dict[str, float]:
     engine = FSDEngine(pair, num_draft_tokens=k, max_batch_size=batch, seed=seed, share_kv=share_kv)
     for i, prompt in enumerate(prompts):

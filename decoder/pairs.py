@@ -124,10 +124,19 @@ def _load_fetched(spec: PairSpec, options: LoadOptions) -> ModelPair:
 
 
 def _load_tiny(spec: PairSpec, options: LoadOptions) -> ModelPair:
-    # Random fp32 weights: dtype overrides do not apply (as before the registry: the test pair ignored them).
+    # Random fp32 weights; dtype overrides apply as for the real pairs (a bad one is a ValueError, not ignored).
+    target_dtype = resolve_dtype(options.dtype, spec.target_dtype)
+    if options.draft_dtype is not None:
+        _check_draft_dtype(options.draft_dtype)
     if options.max_context is None:
-        return tiny_pair(seed=options.seed)
-    return tiny_pair(seed=options.seed, max_position_embeddings=options.max_context)
+        pair = tiny_pair(seed=options.seed)
+    else:
+        pair = tiny_pair(seed=options.seed, max_position_embeddings=options.max_context)
+    if target_dtype == torch.float32 and options.draft_dtype is None:
+        return pair
+    target = pair.target.to(target_dtype)  # type: ignore[arg-type]  # transformers types .to's wrapper oddly
+    draft = pair.draft if options.draft_dtype is None else _make_draft(pair.draft, options.draft_dtype, copy_of=False)
+    return dataclasses.replace(pair, target=target, draft=draft, description=_described(spec, options, target, draft))
 
 
 def _smollm2_status(spec: PairSpec) -> PairStatus:

@@ -230,6 +230,18 @@ def test_bad_draft_dtype_fails_before_loading(tmp_path: Path, monkeypatch: pytes
         load_pair("qwen2.5-coder-1.5b", dtype="fp8")
 
 
+def test_tiny_pair_applies_dtype_overrides_and_refuses_bad_ones() -> None:
+    """The test pair honours dtype / draft_dtype like the real pairs (it used to ignore them, bad ones too)."""
+    pair = load_pair("tiny", dtype="bf16", draft_dtype="int8")
+    assert pair.target.dtype is torch.bfloat16
+    assert "overridden: target bf16, draft int8" in pair.description
+    assert load_pair("tiny").target.dtype is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'float7'"):
+        load_pair("tiny", dtype="float7")
+    with pytest.raises(ValueError, match="unknown draft dtype 'int3'"):
+        load_pair("tiny", draft_dtype="int3")
+
+
 @pytest.fixture
 def tiny_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path, ModelPair]]:
     """The tiny pair saved as two HF model dirs, as a user's custom pair would be."""

@@ -449,9 +449,9 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
             else:
                 high = mid
         kappa = math.sqrt(low * high)
-    used = f"fit_request_acceptance over {acc.size} requests"
-    if acc.size < total:
-        used += f" of {total} (the others in groups whose acceptance saturates)"
+    if acc.size == total:
+        return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {total} requests")
+    used = f"fit_request_acceptance over {acc.size} requests of {total} (the others in groups whose acceptance saturates)"
     return RequestAcceptance(concentration=kappa, source=f"{source}; {used}" if source else used)
 
 

@@ -14,7 +14,6 @@ Prints one JSON document and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.report import emit  # noqa: E402
 from decoder.baseline import target_only_decode  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.pairs import find_pair_spec, load_pair  # noqa: E402
@@ -375,11 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             if runs_by_setting.get(a) and runs_by_setting.get(b)
         }
 
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out, indent=2)
     if args.plot:
         plot(report, args.plot)
     return 0

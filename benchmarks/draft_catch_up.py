@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.report import emit  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
 from sim.profile import Profile  # noqa: E402
@@ -102,10 +103,7 @@ def main() -> int:
                   "draft_prefill_ms_per_token": latency.draft_prefill_ms_per_token},
         "cases": rows,
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

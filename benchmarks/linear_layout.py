@@ -12,7 +12,6 @@ JSON (and writes ``--out``): step ms per (layout, k, B), the ratio on/off, what 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.report import emit  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.linear_layout import SmallBatchLinear  # noqa: E402
 from decoder.models import ModelPair  # noqa: E402
@@ -86,10 +86,7 @@ def main() -> int:
         kk: {bb: round(step_ms[args.on][kk][bb] / step_ms["off"][kk][bb], 3) for bb in row}
         for kk, row in step_ms["off"].items()
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(out, args.out, indent=2)
     return 0
 
 

@@ -44,6 +44,7 @@ from benchmarks.load_sim import (  # noqa: E402
     schedule_policy,
     seeds_arg,
 )
+from benchmarks.report import emit  # noqa: E402
 from policies.base import Policy  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
@@ -175,10 +176,7 @@ def main() -> int:
            "seeds": args.seeds,
            "command": " ".join([sys.executable, *sys.argv]), "configs": configs,
            "criterion": {"real": criterion(side(configs, "real"), tier), "sim": criterion(side(configs, "sim"), tier)}}
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import criterion  # noqa: E402
+from benchmarks.report import emit  # noqa: E402
 from benchmarks.stats import ci95  # noqa: E402
 from policies.base import Policy  # noqa: E402
 from policies.decision import Decision  # noqa: E402
@@ -375,10 +376,7 @@ def main() -> int:
            "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
            "criterion": criterion([c for c in summary if c["spec"]["policy"] not in SCHEDULES],
                                   slo.tiers[args.tier].model_dump())}
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.report import emit  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.models import ModelPair  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
@@ -103,10 +104,7 @@ def main() -> int:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "points": points,
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

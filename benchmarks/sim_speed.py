@@ -14,13 +14,13 @@ CPU) and its ticks, and headline metrics.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import emit  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
 from sim.profile import HANDMADE_2THREADS_PROFILE_PATH, Profile  # noqa: E402
@@ -96,11 +96,7 @@ def main() -> int:
         "tier_mix": {"lossless": 0.2, "standard": 0.5, "economy": 0.3},
         "summary": {k: s[k] for k in ("completed", "rejected", "slo_attainment", "tpot_ms", "mean_distortion")},
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out, indent=2)
     return 0
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.report import emit  # noqa: E402
 from benchmarks.shared_kv import run_point  # noqa: E402
 from decoder.engine import default_share_kv  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
@@ -103,10 +104,7 @@ def main() -> int:
         "wall_s": round(time.perf_counter() - started, 1),
         "points": points,
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -378,7 +378,7 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
     """κ of :class:`~sim.profile.RequestAcceptance` from per-request counts (drafted tokens and how many
     were accepted), at one operating point — or at several, labelled by ``groups`` (e.g. one label per
     (batch, T)): then the spread is the pooled within-group variance, each group about its own mean;
-    None when the requests vary no more than sampling noise.
+    None when the requests vary no more than sampling noise, or when every group's acceptance saturates.
 
     The model shifts every request's log-odds by ``logit(a)``, ``a ~ Beta(κ/2, κ/2)``, whose variance is
     ``2·ψ₁(κ/2)`` (trigamma). Each request's empirical log-odds (Haldane's +½ correction) has that

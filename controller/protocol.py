@@ -90,6 +90,11 @@ class FSDSummary:
     distortion: float
     mean_distortion: float
     replica_id: str
+    #: Seconds the serving path inside the deployment took, in ms: from the ingress's arrival stamp (the
+    #: replica's receipt where there is none) to the replica's first token / its last. The client's TTFT
+    #: and E2E less these are the network, proxy and streaming path (what the engine model leaves out).
+    replica_ttft_ms: float | None = None
+    replica_e2e_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +220,8 @@ def fsd_summary(
     output_tokens: int,
     iterations: int,
     replica_id: str,
+    replica_ttft_ms: float | None = None,
+    replica_e2e_ms: float | None = None,
 ) -> FSDSummary:
     """The ``fsd`` object of a response.
 
@@ -233,6 +240,8 @@ def fsd_summary(
         distortion=distortion,
         mean_distortion=distortion / output_tokens if output_tokens else 0.0,
         replica_id=replica_id,
+        replica_ttft_ms=replica_ttft_ms,
+        replica_e2e_ms=replica_e2e_ms,
     )
 
 

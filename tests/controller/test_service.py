@@ -99,6 +99,8 @@ def test_completion_has_usage_and_fsd(client: httpx.Client) -> None:
         assert fsd["acceptance_rate"] is None and fsd["accepted_tokens"] == 0
     assert fsd["mean_accepted_length"] >= 1.0
     assert fsd["distortion"] >= 0.0
+    # The deployment's own share of the latency: first token no later than the last, both positive.
+    assert 0.0 < fsd["replica_ttft_ms"] <= fsd["replica_e2e_ms"]
 
 
 def test_ignore_eos_decodes_exactly_max_tokens(client: httpx.Client) -> None:

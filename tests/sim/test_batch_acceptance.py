@@ -102,20 +102,27 @@ def test_simulator_draws_at_the_running_batch(threshold: float) -> None:
     assert _measured_acceptance(None, 1, threshold) == pytest.approx(at_8, rel=0.03)
 
 
-def test_grouped_fit_measures_the_spread_within_each_operating_point() -> None:
-    """Requests at two operating points (pooled rates 0.3 and 0.8): fitted per group, κ comes back
-    within 25 %; pooled as one group the difference between the points reads as request variation."""
-    rng = np.random.default_rng(5)
-    kappa = 4.0
+def _requests_by_group(rng: np.random.Generator, kappa: float, rates: dict[str, float], n: int,
+                       drafts: tuple[int, int]) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """Per group (label: pooled rate), ``n`` requests of ``drafts`` drafts (low, high exclusive) whose
+    acceptance is spread by the model at ``kappa``: (accepted per group, drafted per group, every label)."""
     from sim.profile import RequestAcceptance
 
     accepted, drafted, groups = [], [], []
-    for label, rate in (("a", 0.3), ("b", 0.8)):
-        d = rng.integers(40, 121, size=400)
+    for label, rate in rates.items():
+        d = rng.integers(*drafts, size=n)
         odds = RequestAcceptance(concentration=kappa).draw_odds_scales(rng, d.size)
         accepted.append(rng.binomial(d, shifted_acceptance(np.array(rate), odds)))
         drafted.append(d)
         groups += [label] * d.size
+    return accepted, drafted, groups
+
+
+def test_grouped_fit_measures_the_spread_within_each_operating_point() -> None:
+    """Requests at two operating points (pooled rates 0.3 and 0.8): fitted per group, κ comes back
+    within 25 %; pooled as one group the difference between the points reads as request variation."""
+    kappa = 4.0
+    accepted, drafted, groups = _requests_by_group(np.random.default_rng(5), kappa, {"a": 0.3, "b": 0.8}, 400, (40, 121))
     acc, drf = np.concatenate(accepted), np.concatenate(drafted)
     grouped = fit_request_acceptance(acc, drf, groups=groups)
     assert grouped is not None and grouped.concentration == pytest.approx(kappa, rel=0.25)
@@ -130,17 +137,8 @@ def test_grouped_fit_leaves_out_groups_whose_acceptance_saturates() -> None:
     delta method overstates the saturated group's noise several times, so pooled with it the spread the
     other group carries would vanish; the fit uses the unsaturated group alone and gets κ back within
     25 % (session 26's calibration: κ ≈ 16 at T = 0, "none" when pooled with T = 0.5 and 1)."""
-    from sim.profile import RequestAcceptance
-
-    rng = np.random.default_rng(7)
     kappa = 8.0
-    accepted, drafted, groups = [], [], []
-    for label, rate in (("T0", 0.6), ("T1", 0.995)):
-        d = rng.integers(40, 61, size=300)
-        odds = RequestAcceptance(concentration=kappa).draw_odds_scales(rng, d.size)
-        accepted.append(rng.binomial(d, shifted_acceptance(np.array(rate), odds)))
-        drafted.append(d)
-        groups += [label] * d.size
+    accepted, drafted, groups = _requests_by_group(np.random.default_rng(7), kappa, {"T0": 0.6, "T1": 0.995}, 300, (40, 61))
     acc, drf = np.concatenate(accepted), np.concatenate(drafted)
     fitted = fit_request_acceptance(acc, drf, groups=groups)
     assert fitted is not None and fitted.concentration == pytest.approx(kappa, rel=0.25)

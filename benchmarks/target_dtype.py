@@ -8,9 +8,10 @@ KV cache (``share_kv`` needs one dtype), so it keeps its own cache: lower accept
 Per dtype and (T, k, batch) point the engine decodes the same seeded requests (``benchmarks/shared_kv.py``'s
 ``run_point``: the demo's prompts, temperature 1, a fixed number of tokens, no eos): tokens per second of the
 whole run, acceptance rate, prefill seconds, distortion per token, and whether the draft shared the cache.
-Dtypes alternate by repeat. Reported, not asserted; prints JSON (and writes ``--out``).
+With ``--repeats`` above 1 the dtypes' order alternates by repeat. Reported, not asserted; prints JSON
+(and writes ``--out``).
 
-    .venv/bin/python benchmarks/target_dtype.py --out results/target_dtype.json   # default pair, ~5 min
+    .venv/bin/python benchmarks/target_dtype.py --out results/target_dtype.json   # default pair, ~3.5 min
 """
 
 from __future__ import annotations

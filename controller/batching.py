@@ -54,6 +54,10 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None  # set when the engine failed this request
     text: str | None = None  # the final output text (stop strings cut), on the finishing event only
+    #: On the finishing event: ms from the request's arrival (the ingress's stamp, else its submission) to
+    #: the engine step that emitted its first token (None: it emitted none) and to its end.
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,7 +548,11 @@ class BatchingLoop:
                 if len(self._records) > MAX_PENDING_RECORDS:
                     self._records.popleft()
                     c.dropped_records += 1
-        job.sink(TokenEvent(new_token_ids=(), finished=True, finish_reason=reason, error=error, text=text))
+        job.sink(TokenEvent(
+            new_token_ids=(), finished=True, finish_reason=reason, error=error, text=text,
+            ttft_ms=None if job.first_token_s is None else (job.first_token_s - job.arrival_s) * 1e3,
+            e2e_ms=(now - job.arrival_s) * 1e3,
+        ))
 
     def _fail_running(self, message: str) -> None:
         for job in list(self._jobs.values()):

@@ -90,9 +90,10 @@ class FSDSummary:
     distortion: float
     mean_distortion: float
     replica_id: str
-    #: Seconds the serving path inside the deployment took, in ms: from the ingress's arrival stamp (the
-    #: replica's receipt where there is none) to the replica's first token / its last. The client's TTFT
-    #: and E2E less these are the network, proxy and streaming path (what the engine model leaves out).
+    #: The deployment's own share of the latency, in ms, stamped by the engine loop: from the ingress's
+    #: arrival stamp (the request's submission to the engine where there is none) to the engine step that
+    #: emitted the first token (None: no token) / the request's end. The client's TTFT and E2E less these
+    #: are the network, proxy and streaming path (what the simulator's engine model leaves out).
     replica_ttft_ms: float | None = None
     replica_e2e_ms: float | None = None
 

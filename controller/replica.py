@@ -511,9 +511,8 @@ class FSDReplica:
             arrival_s = time.monotonic() - max(0.0, time.time() - req.arrival_unix)
         # The ingress answers 504 at arrival + request_timeout_s; past that (plus a grace for clock skew
         # between nodes) nobody reads this request, even if the cancellation raced its start.
-        started_s = arrival_s if arrival_s is not None else time.monotonic()
-        first_token_s: float | None = None
-        deadline_s = started_s + self._cfg.http.request_timeout_s + DEADLINE_GRACE_S
+        deadline_s = (arrival_s if arrival_s is not None else time.monotonic()) + (
+            self._cfg.http.request_timeout_s + DEADLINE_GRACE_S)
         self._loop.submit(request_id, prompt_ids, params, tier, pinned_threshold, sink, arrival_s, deadline_s)
         finished = False
         try:
@@ -531,15 +530,11 @@ class FSDReplica:
                                            total_tokens=len(prompt_ids) + completion_tokens)
                     fsd = protocol.fsd_summary(
                         tier, threshold, drafted, accepted, fuzzy, distortion, completion_tokens, iterations,
-                        self._replica_id,
-                        replica_ttft_ms=None if first_token_s is None else (first_token_s - started_s) * 1e3,
-                        replica_e2e_ms=(time.monotonic() - started_s) * 1e3)
+                        self._replica_id, replica_ttft_ms=event.ttft_ms, replica_e2e_ms=event.e2e_ms)
                     yield protocol.EndChunk(finish_reason=event.finish_reason or "stop", text=tail,
                                             usage=usage, fsd=fsd)
                     return
                 iterations += 1
-                if first_token_s is None and event.new_token_ids:
-                    first_token_s = time.monotonic()
                 drafted += event.drafted
                 accepted += event.accepted
                 fuzzy += event.fuzzy_accepted

@@ -378,7 +378,9 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
     """κ of :class:`~sim.profile.RequestAcceptance` from per-request counts (drafted tokens and how many
     were accepted), at one operating point — or at several, labelled by ``groups`` (e.g. one label per
     (batch, T)): then the spread is the pooled within-group variance, each group about its own mean;
-    None when the requests vary no more than sampling noise, or when every group's acceptance saturates.
+    None when the requests vary no more than sampling noise, or when too few requests are left in groups
+    that can be fitted (of two or more requests, acceptance not saturated); a ValueError when the input
+    itself has too few requests for its groups.
 
     The model shifts every request's log-odds by ``logit(a)``, ``a ~ Beta(κ/2, κ/2)``, whose variance is
     ``2·ψ₁(κ/2)`` (trigamma). Each request's empirical log-odds (Haldane's +½ correction) has that
@@ -451,7 +453,7 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
         kappa = math.sqrt(low * high)
     if acc.size == total:
         return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {total} requests")
-    used = f"fit_request_acceptance over {acc.size} requests of {total} (the others in groups whose acceptance saturates)"
+    used = f"fit_request_acceptance over {acc.size} requests of {total} (the others in groups of one request or whose acceptance saturates)"
     return RequestAcceptance(concentration=kappa, source=f"{source}; {used}" if source else used)
 
 

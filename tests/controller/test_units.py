@@ -284,6 +284,10 @@ def test_batching_loop_counts_exactly_and_applies_tier_thresholds(engine: Any) -
     assert len(snap["records"]) == 4 and snap["in_flight"] == 0
     assert all(r["tpot_ms"] is not None and r["e2e_ms"] >= r["ttft_ms"] for r in snap["records"])
     assert c["per_tier"]["economy"]["completions"] == 2
+    # The finishing event carries the loop's own stamps, the same ones its record holds.
+    ends = sorted((evs[-1].ttft_ms, evs[-1].e2e_ms) for evs in events.values())
+    assert all(e is not None and t is not None and 0.0 < t <= e for t, e in ends)
+    assert ends == sorted((r["ttft_ms"], r["e2e_ms"]) for r in snap["records"])
 
 
 def test_batching_loop_abort_and_live_threshold_change(engine: Any) -> None:

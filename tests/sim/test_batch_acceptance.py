@@ -142,6 +142,6 @@ def test_grouped_fit_leaves_out_groups_whose_acceptance_saturates() -> None:
     acc, drf = np.concatenate(accepted), np.concatenate(drafted)
     fitted = fit_request_acceptance(acc, drf, groups=groups)
     assert fitted is not None and fitted.concentration == pytest.approx(kappa, rel=0.25)
-    assert "300 requests" in fitted.source  # the saturated group's 300 were left out
+    assert "over 300 requests of 600" in fitted.source  # the saturated group's 300 were left out
     # Only saturated requests: nothing to fit from.
     assert fit_request_acceptance(accepted[1], drafted[1]) is None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.report import emit  # noqa: E402
+from benchmarks.report import emit, host  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
 from sim.profile import Profile  # noqa: E402
@@ -96,9 +95,7 @@ def main() -> int:
         "pair": args.pair,
         "k": args.k,
         "torch_threads": args.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        **host(),
         "model": {"draft_prefill_fixed_ms": latency.draft_prefill_fixed_ms,
                   "draft_prefill_ms_per_token": latency.draft_prefill_ms_per_token},
         "cases": rows,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.report import emit  # noqa: E402
+from benchmarks.report import emit, host  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
 from sim.prompts import PROMPTS  # noqa: E402
@@ -83,9 +82,7 @@ def main() -> int:
         "running_prompt_tokens": len(base),
         "repeats": args.repeats,
         "torch_threads": args.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        **host(),
         "points": points,
     }, args.out)
     return 0

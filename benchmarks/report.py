@@ -16,3 +16,17 @@ def emit(report: Any, out: str | Path | None, indent: int = 1, default: Any = No
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
     return text
+
+
+def host() -> dict[str, Any]:
+    """Where a figure was measured, for its report: torch's CPU kernel level, the machine and its load."""
+    import os
+    import platform
+
+    import torch  # here, not at the top: the simulator-only scripts that use emit() need no torch
+
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }

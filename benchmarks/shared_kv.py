@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.report import emit  # noqa: E402
+from benchmarks.report import emit, host  # noqa: E402
 from decoder.engine import FSDEngine, SamplingParams  # noqa: E402
 from decoder.models import ModelPair  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
@@ -99,9 +98,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "torch_threads": args.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        **host(),
         "points": points,
     }
     emit(out, args.out)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.report import emit  # noqa: E402
+from benchmarks.report import emit, host  # noqa: E402
 from benchmarks.shared_kv import run_point  # noqa: E402
 from decoder.engine import default_share_kv  # noqa: E402
 from decoder.pairs import load_pair  # noqa: E402
@@ -100,8 +99,7 @@ def main() -> int:
         "repeats": args.repeats,
         "torch_threads": args.threads,
         "cpu": cpu_features(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        **host(),
         "wall_s": round(time.perf_counter() - started, 1),
         "points": points,
     }

@@ -92,6 +92,19 @@ def wait_until(condition: Callable[[], T | None], timeout_s: float, what: str, p
         pace.wait(poll_s)
 
 
+def replicas_applied(status: Mapping[str, Any], check: Callable[[Mapping[str, Any]], bool]) -> bool:
+    """True when ``status`` (``GET /v1/fsd/status``) lists replicas, each has applied the controller's
+    current push (same epoch, at least its version) and ``check`` holds on each.
+
+    An empty list never counts, nor does a report built before the push: either let a wait pass while a
+    replica still ran the previous policy's k or T (a seeded request then drew a different sequence).
+    """
+    replicas = status["replicas"]
+    return bool(replicas) and all(
+        r["epoch"] == status["epoch"] and r["version"] >= status["version"] and check(r) for r in replicas
+    )
+
+
 def tiny_config(**overrides: Any) -> dict[str, Any]:
     """The test service: tiny pair, 0.2 s control interval, 1.5 s fail-safe, small limits."""
     data: dict[str, Any] = {

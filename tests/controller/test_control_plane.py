@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from controller.replica import FSDReplica
-from tests.controller.conftest import ADMIN_TOKEN, RayServe, tiny_config
+from tests.controller.conftest import ADMIN_TOKEN, RayServe, replicas_applied, tiny_config
 from tests.controller.conftest import wait_until as _wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -205,7 +205,7 @@ def test_controller_killed_under_load_resumes_at_the_previous_t(service: str) ->
     r = httpx.put(f"{service}/v1/fsd/policy", json={"policy": "static", "thresholds": {"economy": 1.5},
                                                      "guards": False}, headers=AUTH, timeout=10)
     assert r.status_code == 200, r.text
-    st = _wait(lambda: (s := _status(service)) and all(x["thresholds"]["economy"] == 1.5 for x in s["replicas"])
+    st = _wait(lambda: (s := _status(service)) and replicas_applied(s, lambda x: x["thresholds"]["economy"] == 1.5)
                and s, 30, "replicas at economy T = 1.5")
     load = Load(service, 8, LONG_STREAM, headers={"x-slo-tier": "economy"})
     _wait(lambda: all(x["in_flight"] for x in _status(service)["replicas"]), 60, "both replicas busy")

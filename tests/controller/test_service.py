@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.controller.conftest import ADMIN_TOKEN, RayServe, deployed_app, tiny_config
+from tests.controller.conftest import ADMIN_TOKEN, RayServe, deployed_app, replicas_applied, tiny_config
 from tests.controller.conftest import wait_until as _wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -120,7 +120,8 @@ def test_chat_stream_matches_non_stream_on_lossless_tier(client: httpx.Client) -
     # streamed and the non-streamed answer must be the same text — at the same k: pin it (the SLO policy
     # may move k between the two calls, and a seeded draw sequence depends on k).
     _set_policy(client, {"policy": "static", "thresholds": 0.0, "draft_lengths": 4, "guards": False})
-    _wait(lambda: all(r["draft_lengths"]["lossless"] == 4 for r in _status(client)["replicas"]), 30, "k = 4 held")
+    _wait(lambda: (s := _status(client))["draft_lengths"]["lossless"] == 4
+          and replicas_applied(s, lambda r: r["draft_lengths"]["lossless"] == 4), 30, "k = 4 held")
     body = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 24,
             "temperature": 0.8, "seed": 7, "fsd": {"tier": "lossless"}}
     plain = client.post("/v1/chat/completions", json=body)
@@ -269,7 +270,7 @@ def test_policy_change_and_shadow_mode(client: httpx.Client) -> None:
     _wait(lambda: (_status(client)["last_shadow_decision"] or {}).get("thresholds", {}).get("standard") == 0.9,
           10, "the shadow decision to be recorded")
     # Replicas run at the active T (it reaches them with the reply to their next report).
-    _wait(lambda: all(x["thresholds"]["economy"] == 1.5 for x in _status(client)["replicas"]), 10,
+    _wait(lambda: replicas_applied(_status(client), lambda x: x["thresholds"]["economy"] == 1.5), 10,
           "replicas to receive the active T")
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "fsd": {"tier": "economy"}})
     assert r.json()["fsd"]["threshold"] == 1.5

@@ -15,6 +15,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,10 +84,16 @@ def _status(url: str, history: int = 0) -> dict[str, Any]:
 
 
 class Load:
-    """``n`` concurrent long streams in a background thread; ``ok`` counts streams that ended cleanly."""
+    """``n`` concurrent long streams in a background thread; ``results`` says how each ended ("ok": cleanly).
 
-    def __init__(self, url: str, n: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    With ``until``, each of the ``n`` clients starts another stream when its last one ends, until the event is
+    set: the load then lasts as long as the test needs it, whatever the machine's speed.
+    """
+
+    def __init__(self, url: str, n: int, body: dict[str, Any], headers: dict[str, str] | None = None,
+                 until: threading.Event | None = None) -> None:
         self.results: list[str] = []
+        self._until = until
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run(url, n, body, headers or {})))
         self._thread.start()
 
@@ -103,7 +110,13 @@ class Load:
                     return f"status {r.status_code}"
                 return "ok" if r.text.rstrip().endswith("[DONE]") and '"error"' not in r.text else "error"
 
-            self.results = list(await asyncio.gather(*(one() for _ in range(n))))
+            async def client() -> list[str]:
+                ended = [await one()]
+                while self._until is not None and not self._until.is_set():
+                    ended.append(await one())
+                return ended
+
+            self.results = [r for ended in await asyncio.gather(*(client() for _ in range(n))) for r in ended]
 
     @property
     def running(self) -> bool:
@@ -143,10 +156,16 @@ def test_ray_workers_are_not_niced(ray_serve: RayServe) -> None:
 
 
 def test_full_data_plane_keeps_every_replica_in_view(service: str) -> None:
-    load = Load(service, 8, LONG_STREAM)
+    # The streams repeat until a decision made at full load was seen on every replica (or a deadline): on a
+    # quick machine one round of them can end before a tick and two reports have passed.
+    enough = threading.Event()
+    load = Load(service, 8, LONG_STREAM, until=enough)
     polls, full, steered_while_full = 0, False, False
     pace = threading.Event()  # never set: paces the polls
+    deadline = time.monotonic() + 300
     while load.running:
+        if steered_while_full and polls >= 2 or time.monotonic() > deadline:
+            enough.set()
         st = _status(service)
         ages = {r["replica_id"]: r["telemetry_age_s"] for r in st["replicas"]}
         assert len(ages) == 2, f"poll {polls}: every replica in view, got {ages}"
@@ -164,7 +183,8 @@ def test_full_data_plane_keeps_every_replica_in_view(service: str) -> None:
             steered_while_full = steered_while_full or sum(x["in_flight"] for x in st["replicas"]) > 0
         polls += 1
         pace.wait(0.5)
-    assert load.join().count("ok") == 8
+    results = load.join()
+    assert len(results) >= 8 and all(r == "ok" for r in results), results
     assert full, "the test must actually fill every request slot"
     assert polls >= 2, "the load must last across status polls"
     assert steered_while_full, "the decision made at full load must reach every replica while streams run"
@@ -174,8 +194,8 @@ def test_full_data_plane_keeps_every_replica_in_view(service: str) -> None:
 def test_stopped_replica_costs_only_its_own_reports_and_is_counted_once(service: str) -> None:
     before = _settled_count(service)
     load = Load(service, 8, LONG_STREAM)
-    st = _wait(lambda: (s := _status(service)) and all(r["in_flight"] for r in s["replicas"]) and s, 60,
-               "both replicas busy")
+    st = _wait(lambda: (s := _status(service)) and len(s["replicas"]) == 2
+               and all(r["in_flight"] for r in s["replicas"]) and s, 60, "both replicas busy")
     stopped, other = st["replicas"][0], st["replicas"][1]
     os.kill(stopped["pid"], signal.SIGSTOP)
     try:
@@ -208,7 +228,8 @@ def test_controller_killed_under_load_resumes_at_the_previous_t(service: str) ->
     st = _wait(lambda: (s := _status(service)) and replicas_applied(s, lambda x: x["thresholds"]["economy"] == 1.5)
                and s, 30, "replicas at economy T = 1.5")
     load = Load(service, 8, LONG_STREAM, headers={"x-slo-tier": "economy"})
-    _wait(lambda: all(x["in_flight"] for x in _status(service)["replicas"]), 60, "both replicas busy")
+    _wait(lambda: len(r := _status(service)["replicas"]) == 2 and all(x["in_flight"] for x in r), 60,
+          "both replicas busy")
     os.kill(st["pid"], signal.SIGKILL)
     # Serve restarts the controller from the config: its PID policy, which on its own would
     # start every tier at the safe T (0).

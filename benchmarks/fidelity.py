@@ -197,14 +197,51 @@ def _http_round_trip_ms(url: str, n: int = 20) -> float:
     return float(np.median(times))
 
 
+def measure_serving_overhead(url: str, app_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The request path the simulator does not model, measured apart before the legs (it is fixed before it
+    is compared with anything): ``--probes`` sequential one-token requests into the idle service, on the legs'
+    own path and prompt lengths, each the client's TTFT less the engine's busy time for it (the replica's
+    counters around it). What is left is HTTP, Serve's routing, the engine thread's admission and streaming
+    the token back. Returns the median (ms) and every probe."""
+    import httpx
+
+    if args.probes <= 0:
+        return {"ms": 0.0, "source": "--probes 0: not measured", "probes": []}
+    lo, hi = args.prompt_tokens
+    probes: list[dict[str, Any]] = []
+
+    async def probe(j: int, prompt_tokens: int) -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout)) as client:
+            return await _one_request(client, time.monotonic(), 0.0, 1_000_000 + j, prompt_tokens, 1, args)
+
+    for j in range(args.probes):
+        prompt_tokens = lo + (hi - lo) * j // max(1, args.probes - 1)
+        before = _replica_counters(app_name)
+        rec = asyncio.run(probe(j, prompt_tokens))
+        after = _replica_counters(app_name)
+        if before is None or after is None or rec.get("ttft_ms") is None:
+            continue
+        engine_ms = (after["busy_time_s"] - before["busy_time_s"]) * 1e3
+        probes.append({"prompt_tokens": rec.get("prompt_tokens", prompt_tokens), "client_ttft_ms": rec["ttft_ms"],
+                       "engine_busy_ms": engine_ms, "overhead_ms": rec["ttft_ms"] - engine_ms})
+    if not probes:
+        raise RuntimeError("no serving-overhead probe was answered with counters; pass --serving-overhead-ms")
+    overheads = [p["overhead_ms"] for p in probes]
+    return {"ms": float(np.median(overheads)), "p10_ms": float(np.percentile(overheads, 10)),
+            "p90_ms": float(np.percentile(overheads, 90)),
+            "source": f"median of {len(probes)} idle probes (client TTFT less the engine's busy time)",
+            "probes": probes}
+
+
 # ---------------------------------------------------------------------------------------------------
 # (b) the simulator
 # ---------------------------------------------------------------------------------------------------
 
 
 def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy: dict[str, Any],
-             tier_names: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """Run the simulator on exactly the requests the real run saw."""
+             tier_names: list[str], args: argparse.Namespace, seed: int | None = None) -> dict[str, Any]:
+    """Run the simulator on exactly the requests the real run saw (``seed``: its random draws; default
+    ``--seed``)."""
     from policies.registry import make_policy
     from sim.simulator import SimConfig, Simulator
     from sim.workload import Requests
@@ -217,9 +254,10 @@ def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy:
     tier = np.full(len(recs), tier_names.index(args.tier), dtype=np.int16)
     requests = Requests(arrival, prompt, output, tier, tuple(tier_names))
     k = args.k
-    cfg = SimConfig(seed=args.seed, replicas=args.replicas, max_batch=args.max_batch, max_queue=args.max_queued,
+    cfg = SimConfig(seed=args.seed if seed is None else seed, replicas=args.replicas, max_batch=args.max_batch, max_queue=args.max_queued,
                     routing="least_loaded", control_interval_s=args.interval, push_delay_s=0.005,
-                    div=args.div, k=k, drain_timeout_s=args.request_timeout)
+                    div=args.div, k=k, drain_timeout_s=args.request_timeout,
+                    serving_overhead_ms=args.serving_overhead_ms or 0.0)
     pol = make_policy(policy, slo, speed_curve=profile.to_speed_curve(args.div, k),
                       latency_model=profile.to_latency_model(k))
     result = Simulator(cfg, profile, slo, requests, pol).run()
@@ -263,6 +301,19 @@ def summarise(records: list[dict[str, Any]], duration_s: float) -> dict[str, Any
         out["output_tokens_per_s"] = None
     out["output_tokens"] = tokens
     out["duration_s"] = duration_s
+    return out
+
+
+def mean_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figure-by-figure mean of the simulator leg's replications (None where any replication has none)."""
+    def mean(values: list[Any]) -> Any:
+        if isinstance(values[0], dict):
+            return {key: mean([v[key] for v in values]) for key in values[0]}
+        if any(v is None for v in values):
+            return None
+        return float(np.mean(values))
+
+    out: dict[str, Any] = mean(summaries)
     return out
 
 
@@ -472,6 +523,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "acceptance from --profile — e.g. latency-only calibrations (fsd calibrate --acceptance-from) "
                    "taken just before and just after the real leg, so the machine's drift in speed during the "
                    "run does not count as the simulator's error; with --resim the command line's value is used")
+    p.add_argument("--serving-overhead-ms", default=None, type=float, metavar="MS",
+                   help="simulator leg: the request path outside the engine (HTTP, routing, streaming back), added "
+                   "to its TTFT and E2E (sim.simulator.SimConfig.serving_overhead_ms). Default: measured before "
+                   "the legs by idle probes (client TTFT less the engine's busy time for the request); with "
+                   "--resim, the stored measurement (0 where the report has none)")
+    p.add_argument("--sim-seeds", type=int, default=None, metavar="N",
+                   help="simulator leg: N replications on the same requests (seeds --seed .. --seed + N - 1); the "
+                   "error is taken on the mean of their figures (a p95 over ~100 requests moves by several points "
+                   "from one simulator seed to the next). Default 1; with --resim, the stored value")
+    p.add_argument("--probes", type=int, default=12, help="idle probes for the serving overhead (0: none, then 0 ms)")
     p.add_argument("--resim", default=None, metavar="REPORT",
                    help="no service: re-run only the simulator leg on the real requests stored in an earlier "
                    "report (its settings apply; --profile, --out and --png may differ)")
@@ -523,6 +584,11 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
             concentration=args.request_acceptance, source="benchmarks/fidelity.py --request-acceptance")})
     if args.latency_from:
         profile = profile.model_copy(update={"latency": mean_latency(args.latency_from)})
+    if args.sim_seeds is not None and args.sim_seeds < 1:
+        raise ValueError(f"--sim-seeds must be >= 1, got {args.sim_seeds}")
+    if args.serving_overhead_ms is not None and not (math.isfinite(args.serving_overhead_ms)
+                                                     and args.serving_overhead_ms >= 0):
+        raise ValueError(f"--serving-overhead-ms must be finite and >= 0, got {args.serving_overhead_ms}")
     if args.prompt_count is None and profile.calibration is not None:
         from decoder.calibration import CalibrationRecord
 
@@ -573,6 +639,12 @@ def mean_latency(paths: str) -> Any:
     for key in data[0]:
         if key == "iteration_time_dist":
             continue
+        if key == "prefill_ms_by_tokens" and all(d[key] for d in data):
+            # Measured prefills: each model's at the union of the measured lengths (piecewise linear through
+            # them, and with the mean slope beyond: the mean model is the mean of the models here too).
+            grid = sorted({float(n) for d in data for n, _ in d[key]})
+            out[key] = [(n, float(np.mean([m.target_prefill_ms(n) for m in models]))) for n in grid]
+            continue
         values = [d[key] for d in data]
         if any(v is None for v in values):
             if not all(v is None for v in values):
@@ -597,6 +669,11 @@ def run_scenarios(url: str, st: Setup, args: argparse.Namespace) -> dict[str, An
             raise ValueError(f"scenario {name!r} has {len(reqs)} requests > --max-requests {args.max_requests}")
         workloads[name.strip()] = reqs
     rtt_ms = _http_round_trip_ms(url)
+    overhead: dict[str, Any] = {"ms": args.serving_overhead_ms, "source": "--serving-overhead-ms"}
+    if args.serving_overhead_ms is None:
+        overhead = measure_serving_overhead(url, st.config.serve.app_name, args)
+        args.serving_overhead_ms = overhead["ms"]
+        print(f"fidelity: serving overhead {overhead['ms']:.1f} ms ({overhead['source']})", file=sys.stderr, flush=True)
     scenarios = []
     for name, reqs in workloads.items():
         print(f"fidelity: {name}: {len(reqs)} requests over {args.duration_s:.0f}s (real)", file=sys.stderr,
@@ -606,20 +683,23 @@ def run_scenarios(url: str, st: Setup, args: argparse.Namespace) -> dict[str, An
         after = _replica_counters(st.config.serve.app_name)
         parts = decomposition(before, after, st.profile, real_run["records"], args)
         scenarios.append(simulate_scenario(name, len(reqs), real_run, parts, st, args))
-    return assemble_report(scenarios, st, args, rtt_ms)
+    return assemble_report(scenarios, st, args, rtt_ms, overhead)
 
 
 def simulate_scenario(name: str, n_requests: int, real_run: dict[str, Any], parts: dict[str, Any] | None,
                       st: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """The simulator leg on a real run's requests, and the comparison of the two."""
     print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
-    sim_run = simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args)
+    replications = [simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args, args.seed + r)
+                    for r in range(max(1, args.sim_seeds or 1))]
+    sim_run = replications[0]  # its records and T samples are stored and plotted
     real_sum = summarise(real_run["records"], args.duration_s)
-    sim_sum = summarise(sim_run["records"], args.duration_s)
+    sim_sums = [summarise(rep["records"], args.duration_s) for rep in replications]
+    sim_sum = sim_sums[0] if len(sim_sums) == 1 else mean_summary(sim_sums)
     end_s = max([args.duration_s] + [s["t_s"] for s in real_run["t_samples"]])
     if parts is not None and real_sum["ttft_ms"]["p50"] is not None and sim_sum["ttft_ms"]["p50"] is not None:
-        # The simulator's TTFT is queueing + prefill + one decode iteration, as the engine's; what is
-        # left of the gap is per-request serving overhead (HTTP, routing, streaming) and step drift.
+        # The simulator's TTFT is queueing + prefill + one decode iteration, as the engine's, plus the serving
+        # overhead measured apart; what is left of the gap is the model's error and the run's drift.
         parts = {**parts, "ttft_gap_ms_p50": real_sum["ttft_ms"]["p50"] - sim_sum["ttft_ms"]["p50"]}
         parts.pop("serving_overhead_ms_est", None)
     return {
@@ -629,6 +709,7 @@ def simulate_scenario(name: str, n_requests: int, real_run: dict[str, Any], part
         "real": {**real_run, "summary": real_sum},
         "sim": {**sim_run, "summary": sim_sum},
         "error": compare(real_sum, sim_sum),
+        "error_by_sim_seed": [compare(real_sum, one) for one in sim_sums] if len(sim_sums) > 1 else None,
         "threshold_trajectory": threshold_trajectory_error(real_run["t_samples"], sim_run["t_samples"],
                                                            args.tier, end_s),
         "decomposition": parts,
@@ -636,7 +717,7 @@ def simulate_scenario(name: str, n_requests: int, real_run: dict[str, Any], part
 
 
 def assemble_report(scenarios: list[dict[str, Any]], st: Setup, args: argparse.Namespace,
-                    rtt_ms: float | None) -> dict[str, Any]:
+                    rtt_ms: float | None, overhead: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "benchmark": "fidelity",
         "pair": args.pair,
@@ -648,10 +729,12 @@ def assemble_report(scenarios: list[dict[str, Any]], st: Setup, args: argparse.N
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
                      if k not in ("out", "png")},
         "http_round_trip_ms_p50": rtt_ms,
+        "serving_overhead": overhead,
         "load_average": list(os.getloadavg()),
         "command": " ".join([sys.executable, *sys.argv]),
         "table": [{"scenario": sc["name"], "real": sc["real"]["summary"], "sim": sc["sim"]["summary"],
-                   "error": sc["error"], "threshold_trajectory": sc["threshold_trajectory"],
+                   "error": sc["error"], "error_by_sim_seed": sc.get("error_by_sim_seed"),
+                   "threshold_trajectory": sc["threshold_trajectory"],
                    "decomposition": sc["decomposition"]} for sc in scenarios],
         "scenarios": scenarios,
     }
@@ -685,17 +768,25 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--resim {str(path)!r} is not a fidelity report: {exc!r}") from None
     keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim,
             "request_acceptance": args.request_acceptance, "without": args.without,
-            "latency_from": args.latency_from}
+            "latency_from": args.latency_from, "serving_overhead_ms": args.serving_overhead_ms,
+            "sim_seeds": args.sim_seeds}
     known = vars(build_parser().parse_args([]))
     for key, value in settings.items():
         if key in known and key not in keep:
             setattr(args, key, tuple(value) if isinstance(known[key], tuple) else value)
     if args.profile is None and stored.get("profile"):
         args.profile = stored["profile"]
+    if args.sim_seeds is None:
+        args.sim_seeds = settings.get("sim_seeds") or 1
+    overhead = stored.get("serving_overhead") or {"ms": 0.0, "source": "not measured in the stored report"}
+    if args.serving_overhead_ms is None:
+        args.serving_overhead_ms = overhead["ms"]
+    else:
+        overhead = {"ms": args.serving_overhead_ms, "source": "--serving-overhead-ms"}
     st = setup(args, port=0)
     scenarios = [simulate_scenario(name, n, real, _against_profile(parts, st.profile, real["records"], args), st, args)
                  for name, n, real, parts in runs]
-    report = assemble_report(scenarios, st, args, stored.get("http_round_trip_ms_p50"))
+    report = assemble_report(scenarios, st, args, stored.get("http_round_trip_ms_p50"), overhead)
     report["resimulated_from"] = {"report": str(path), "command": stored.get("command"),
                                   "load_average": stored.get("load_average")}
     return report

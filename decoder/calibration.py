@@ -323,6 +323,10 @@ class CalibrationRecord(BaseModel):
     fit: dict[str, float] | None = Field(
         None, description="how well the profile's latency fit reproduces these points (sim.profile_fit.FitQuality)"
     )
+    draft_shares_kv: bool | None = Field(
+        None, description="the engine ran the draft on the target's KV cache (no draft prefill to fit apart); "
+        "None: not recorded (calibrations before session 28)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -712,6 +716,7 @@ class Measurement:
     def record_json(self) -> dict[str, Any]:
         """The raw record as JSON-ready data (``Profile.calibration``, before the fit quality is added)."""
         data: dict[str, Any] = self.record.model_dump(mode="json")
+        data["draft_shares_kv"] = self.draft_shares_kv  # what refitting the latency needs (Measurement's own)
         return data
 
 

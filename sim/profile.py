@@ -147,6 +147,12 @@ class LatencyModel(BaseModel):
         "the plain step is piecewise linear through them and grows by plain_step_b_ms per row beyond the "
         "last (policies.mpc.plain_step_line); None: the line plain_step_a_ms + plain_step_b_ms·B"
     )
+    prefill_ms_by_tokens: list[tuple[float, float]] | None = Field(
+        None, description="(prompt tokens, ms) of the target's prefill as measured, ascending in tokens: a "
+        "join's prefill is piecewise linear through them, the first point's below it and grows by "
+        "prefill_ms_per_token beyond the last (the line misses short prompts: a fixed cost the fitted "
+        "intercept does not carry); None: the line prefill_fixed_ms + prefill_ms_per_token · tokens"
+    )
     iteration_time_dist: Literal["fixed", "exponential"] = Field(
         "fixed",
         description="'fixed': every iteration takes the model's time; 'exponential': the model's time is "
@@ -164,6 +170,17 @@ class LatencyModel(BaseModel):
     def _positive_steps(cls, v: list[float] | None) -> list[float] | None:
         if v is not None and (not v or not all(math.isfinite(x) and x > 0 for x in v)):
             raise ValueError(f"plain_step_ms_by_batch must be a non-empty list of finite steps > 0, got {v}")
+        return v
+
+    @field_validator("prefill_ms_by_tokens")
+    @classmethod
+    def _ascending_prefills(cls, v: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
+        if v is None:
+            return v
+        ok = bool(v) and all(math.isfinite(t) and math.isfinite(ms) and t > 0 and ms > 0 for t, ms in v)
+        if not ok or any(b[0] <= a[0] for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("prefill_ms_by_tokens must be a non-empty list of (tokens, ms) pairs, finite and > 0, "
+                             f"strictly ascending in tokens, got {v}")
         return v
 
     def iteration_ms(self, batch: np.ndarray | int | float, k: int) -> np.ndarray:
@@ -227,11 +244,22 @@ class LatencyModel(BaseModel):
     def prefill_ms(self, prompt_tokens: int, drafting_tokens: int | None = None) -> float:
         """A join's prefill of ``prompt_tokens``; ``drafting_tokens`` of them belong to rows joining at k > 0
         (the draft prefills those too; None: all of them)."""
-        ms = self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
+        ms = self.target_prefill_ms(prompt_tokens)
         drafting = prompt_tokens if drafting_tokens is None else drafting_tokens
         if drafting > 0 and self.models_draft_prefill:
             ms += self.draft_catch_up_ms(drafting)
         return ms
+
+    def target_prefill_ms(self, prompt_tokens: float) -> float:
+        """The target's prefill of ``prompt_tokens``: through the measured points where the profile has them,
+        else the line."""
+        table = self.prefill_ms_by_tokens
+        if not table:
+            return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
+        last_tokens, last_ms = table[-1]
+        if prompt_tokens >= last_tokens:
+            return last_ms + self.prefill_ms_per_token * (prompt_tokens - last_tokens)
+        return float(np.interp(prompt_tokens, [t for t, _ in table], [ms for _, ms in table]))
 
     @property
     def models_draft_prefill(self) -> bool:

@@ -14,7 +14,8 @@ stays torch-free. What is fitted and why:
   draft ``= k · (draft_a + draft_b · B)``, verify + overhead ``= verify_a + verify_b · B + verify_c · k · B``,
   prefill ``= prefill_fixed + prefill_per_token · prompt tokens`` (+ ``draft_prefill_fixed +
   draft_prefill_per_token · prompt tokens`` for joins at k > 0, when joins at k = 0 were timed too); fit
-  quality kept as ``FitQuality``.
+  quality kept as ``FitQuality``. The target's prefills are also kept as measured per prompt length
+  (``prefill_ms_by_tokens``, median over repeats), which the simulator reads; the line stays for longer prompts.
   Decode points at k = 0 (plain target decoding, no draft forward) are fitted on their own,
   step ``= plain_step_a + plain_step_b · B``, and kept as measured per batch (``plain_step_ms_by_batch``,
   straight lines between measured batch sizes), which the simulator and the policy use; without them the
@@ -260,6 +261,13 @@ def fit_latency(samples: Sequence[LatencyPoint], draft_prefill_apart: bool = Tru
     else:  # one kind of join only: one prefill for target and draft together
         prefill_design = np.stack([np.ones_like(tok), tok], axis=1)
         prefill_fixed, prefill_per_token = _nnls(prefill_design, pre)
+    # The measured prefills themselves, by prompt tokens (median over repeats; joins at k = 0 only where
+    # the draft's prefill is fitted apart): short prompts cost more than the line says (a fixed cost its
+    # intercept does not carry: 121-125 ms measured at 16 tokens against a line at 78-84 in session 27's
+    # calibrations), and the simulator reads a join's prefill from these points.
+    target_only = drafting == 0 if draft_prefill_apart and 0.0 < drafting.mean() < 1.0 else np.ones_like(tok, bool)
+    lengths = np.unique(tok[target_only])
+    prefill_by_tokens = [(float(n), float(np.median(pre[target_only & (tok == n)]))) for n in lengths]
     plain_a = plain_b = None
     plain_by_batch: list[float] | None = None
     plain_error = None
@@ -290,6 +298,7 @@ def fit_latency(samples: Sequence[LatencyPoint], draft_prefill_apart: bool = Tru
         plain_step_a_ms=plain_a,
         plain_step_b_ms=plain_b,
         plain_step_ms_by_batch=plain_by_batch,
+        prefill_ms_by_tokens=prefill_by_tokens if len(prefill_by_tokens) >= 2 else None,
     )
     draft_pred = draft_design @ np.array([draft_a, draft_b])
     verify_pred = verify_design @ np.array([verify_a, verify_b, verify_c])

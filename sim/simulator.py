@@ -56,6 +56,11 @@ class SimConfig(BaseModel):
     drain_timeout_s: float = Field(600.0, ge=0, description="after the last arrival; then unfinished = missed")
     horizon_iters: int = Field(48, ge=1, description="iterations drawn per segment at most (speed only)")
     replica_usd_per_hour: float | None = Field(None, gt=0)
+    serving_overhead_ms: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="the request's path outside the engine (HTTP, routing, streaming the tokens back), "
+        "measured apart: added to every answered request's first token and completion as the client sees them "
+        "(records and summary), not to the telemetry the policy reads, which live comes from the replicas' stamps"
+    )
 
     def policy_replica_bounds(self) -> tuple[int, int] | None:
         """(min, max) replicas a policy may ask for when its ``Decision.replicas`` drives the autoscaler
@@ -559,6 +564,10 @@ class Simulator:
                 push(heap, (follow.time_s, follow.ORDER, self._seq, follow))
         for r in self.replicas:
             r.close(self.now)
+        if self.config.serving_overhead_ms:
+            shift = self.config.serving_overhead_ms / 1e3  # NaN (unanswered) stays NaN
+            self.table.first_token_s += shift
+            self.table.completion_s += shift
         if self._progress is not None:
             self._progress.close()
         return self._result()

@@ -1,5 +1,6 @@
-"""``benchmarks/fidelity.py --latency-from``: the simulator leg's latency from latency-only calibrations
-taken around the real leg (their coefficient-wise mean), the acceptance from ``--profile``."""
+"""``benchmarks/fidelity.py``'s simulator-leg options: ``--latency-from`` (the latency of calibrations taken
+around the real leg, their coefficient-wise mean; the acceptance from ``--profile``), ``--sim-seeds`` (the
+figures' mean over replications) and ``--serving-overhead-ms`` (checked)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,18 @@ def test_latency_from_two_profiles_predicts_the_mean_of_their_steps(tmp_path: Pa
     assert st.profile.acceptance == shipped.acceptance and st.profile.request_acceptance == shipped.request_acceptance
 
 
+def test_latency_from_averages_measured_prefills_over_their_lengths(tmp_path: Path) -> None:
+    shipped = Profile.load(DEFAULT_PROFILE_PATH)
+    before = _with_latency(shipped, tmp_path / "before.json", prefill_ms_by_tokens=[(16, 120.0), (64, 160.0)])
+    after = _with_latency(shipped, tmp_path / "after.json", prefill_ms_by_tokens=[(16, 130.0), (128, 280.0)])
+    mean = fidelity.mean_latency(f"{before},{after}")
+    one, two = Profile.load(before).latency, Profile.load(after).latency
+    assert [n for n, _ in mean.prefill_ms_by_tokens or []] == [16, 64, 128]
+    for tokens in (8, 16, 40, 64, 100, 128, 600):  # below, between, at and beyond the measured lengths
+        expected = (one.prefill_ms(tokens) + two.prefill_ms(tokens)) / 2
+        assert mean.prefill_ms(tokens) == pytest.approx(expected), tokens
+
+
 def test_latency_from_names_what_it_cannot_use(tmp_path: Path) -> None:
     shipped = Profile.load(DEFAULT_PROFILE_PATH)
     derived = _with_latency(shipped, tmp_path / "derived.json", plain_step_a_ms=None, plain_step_b_ms=None)
@@ -50,3 +63,18 @@ def test_latency_from_names_what_it_cannot_use(tmp_path: Path) -> None:
         fidelity.mean_latency(str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="no profile in ' , '"):
         fidelity.mean_latency(" , ")
+
+
+def test_sim_replications_are_summarised_figure_by_figure() -> None:
+    one = {"requests": 10, "tpot_ms": {"p50": 50.0, "p95": 80.0}, "ttft_ms": {"p50": None, "p95": 1.0}}
+    two = {"requests": 10, "tpot_ms": {"p50": 54.0, "p95": 90.0}, "ttft_ms": {"p50": 2.0, "p95": 3.0}}
+    assert fidelity.mean_summary([one, two]) == {"requests": 10.0, "tpot_ms": {"p50": 52.0, "p95": 85.0},
+                                                 "ttft_ms": {"p50": None, "p95": 2.0}}
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--sim-seeds", "0"), ("--serving-overhead-ms", "-1"),
+                                              ("--serving-overhead-ms", "nan")])
+def test_simulator_leg_flags_name_a_bad_value(flag: str, value: str) -> None:
+    args = fidelity.build_parser().parse_args([flag, value])
+    with pytest.raises(ValueError, match=flag):
+        fidelity.setup(args, port=0)

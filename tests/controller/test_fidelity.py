@@ -87,6 +87,11 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
     assert traj["sim_mean"] == pytest.approx(0.5) and traj["real_mean"] == pytest.approx(0.5, abs=0.05)
     decomposition = row["decomposition"]
     assert decomposition is not None and decomposition["iterations"] > 0
+    # The serving overhead, measured apart before the legs: the client's TTFT holds the engine's busy time.
+    overhead = report["serving_overhead"]
+    assert len(overhead["probes"]) == args.probes
+    assert all(p["client_ttft_ms"] > p["engine_busy_ms"] > 0 for p in overhead["probes"]), overhead
+    assert overhead["ms"] > 0 and args.serving_overhead_ms == overhead["ms"]
 
     # --resim on the stored report: the same real leg, and (same profile, seed, policy) the same sim leg.
     args.out = str(tmp_path / "report.json")
@@ -96,3 +101,15 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
     assert again["resimulated_from"]["report"] == args.out
     redo = again["table"][0]
     assert redo["real"] == real and redo["sim"] == sim and redo["error"] == err
+    assert again["serving_overhead"]["ms"] == overhead["ms"]
+    # Without the overhead the simulator's first tokens come exactly that much sooner (its engine runs the same).
+    bare = fidelity.run(fidelity.build_parser().parse_args(
+        ["--resim", args.out, "--serving-overhead-ms", "0", "--out", str(tmp_path / "bare.json")]))["table"][0]["sim"]
+    assert bare["ttft_ms"]["p50"] == pytest.approx(sim["ttft_ms"]["p50"] - overhead["ms"], abs=1e-6)
+    assert bare["tpot_ms"] == sim["tpot_ms"]
+    # Simulator replications: the first is the run above; the error is the mean of theirs.
+    three = fidelity.run(fidelity.build_parser().parse_args(
+        ["--resim", args.out, "--sim-seeds", "3", "--out", str(tmp_path / "three.json")]))["table"][0]
+    assert len(three["error_by_sim_seed"]) == 3 and three["error_by_sim_seed"][0] == err
+    for key in ("tpot_ms_p95", "e2e_ms_p95"):
+        assert three["error"][key] == pytest.approx(sum(e[key] for e in three["error_by_sim_seed"]) / 3)

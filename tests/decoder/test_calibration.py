@@ -185,6 +185,31 @@ def test_latency_fit_separates_the_drafts_prefill_when_joins_at_k_0_were_timed()
     assert m.draft_catch_up_ms(0) == 0.0
 
 
+def test_latency_fit_keeps_short_prompts_prefills_as_measured() -> None:
+    """A prefill with a fixed cost the line cannot carry (the default pair, session 27: 121-125 ms at 16 tokens,
+    ~160 at 64, ~1.7 ms a token beyond): the profile keeps the measured prefills per length (median over
+    repeats), reads a join between them off the straight line through its neighbours and beyond the last
+    one grows at the fitted slope."""
+    decode = [p for p in _latency_points(9.0, 1.5, 40.0, 6.0, 2.5, 3.0, 1.6) if p.phase == "decode"]
+    measured = {16: (121.0, 125.0, 160.0), 64: (157.0, 166.0, 162.0), 256: (470.0, 480.0, 478.0),
+                512: (880.0, 1000.0, 1005.0)}
+    prefill = [LatencySample(phase="prefill", k=0, batch=1, tokens=float(n), n=1, prefill_ms=ms)
+               for n, repeats in measured.items() for ms in repeats]
+    m = fit_latency(decode + prefill).model
+    assert m.prefill_ms_by_tokens is not None
+    assert [n for n, _ in m.prefill_ms_by_tokens] == [16, 64, 256, 512]
+    assert [ms for _, ms in m.prefill_ms_by_tokens] == pytest.approx([125.0, 162.0, 478.0, 1000.0])
+    assert m.prefill_ms(16) == pytest.approx(125.0)
+    assert m.prefill_ms(40) == pytest.approx((125.0 + 162.0) / 2)
+    assert m.prefill_ms(8) == pytest.approx(125.0)  # below the shortest measured prompt: its prefill
+    assert m.prefill_ms(600) == pytest.approx(1000.0 + 88 * m.prefill_ms_per_token)
+    line_at_16 = m.prefill_fixed_ms + 16 * m.prefill_ms_per_token
+    assert 125.0 - line_at_16 > 20.0  # the least-squares line misses the short prompt: what the points are for
+    # One measured length only: no table, the line.
+    one = [p for p in prefill if p.tokens == 256] + [prefill[0].model_copy(update={"tokens": 256.0})]
+    assert fit_latency(decode + one).model.prefill_ms_by_tokens is None
+
+
 def test_latency_fit_stays_non_negative() -> None:
     # Timings that fall with batch size would need a negative slope; the profile forbids it.
     pts = _latency_points(9.0, 0.0, 40.0, 0.0, 0.0, 3.0, 1.0)
@@ -310,6 +335,11 @@ def test_tiny_raw_acceptance_rises_with_threshold_beyond_noise(tiny_profile: Pro
 
 def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
     record = CalibrationRecord.model_validate(tiny_profile.calibration)
+    # The record says how the engine ran the draft, so its latency can be refitted (benchmarks/refit_latency.py).
+    from decoder.engine import default_share_kv
+    from decoder.models import tiny_pair
+
+    assert record.draft_shares_kv is default_share_kv(tiny_pair())
     for s in record.acceptance:
         assert sum(s.accepted_histogram) == s.row_iterations
         assert s.fuzzy_accepted <= s.accepted <= s.drafted

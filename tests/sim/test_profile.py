@@ -104,3 +104,14 @@ def test_speed_curve_and_latency_model_agree_with_the_profile() -> None:
     lat = p.to_latency_model(4)
     for b in (1, 3, 8):
         assert lat.iteration_ms(b) == pytest.approx(float(p.latency.iteration_ms(b, 4)))
+
+
+def test_measured_prefills_are_checked_and_read_piecewise() -> None:
+    base = _default_dict()
+    lat = {**base["latency"], "prefill_fixed_ms": 50.0, "prefill_ms_per_token": 2.0,
+           "prefill_ms_by_tokens": [[16, 120.0], [64, 160.0]]}
+    m = Profile.model_validate({**base, "latency": lat}).latency
+    assert [m.prefill_ms(n) for n in (1, 16, 40, 64, 100)] == pytest.approx([120.0, 120.0, 140.0, 160.0, 232.0])
+    for bad in ([], [[16, 120.0], [16, 130.0]], [[64, 160.0], [16, 120.0]], [[16, 0.0]], [[16, float("nan")]]):
+        with pytest.raises(ValueError, match="prefill_ms_by_tokens"):
+            Profile.model_validate({**base, "latency": {**lat, "prefill_ms_by_tokens": bad}})

@@ -83,6 +83,42 @@ def test_first_token_comes_after_the_prefill_and_one_decode_iteration() -> None:
     assert np.allclose(ttft, expected_s, rtol=1e-9)
 
 
+def test_a_joins_prefill_follows_the_measured_prefills() -> None:
+    """With prefills measured per prompt length the simulator's join costs what was measured (between two
+    lengths: the straight line through them), not the fitted line."""
+    base = handmade_profile()
+    lat = base.latency.model_copy(update={"prefill_ms_by_tokens": [(16, 300.0), (256, 500.0)]})
+    profile = base.model_copy(update={"latency": lat})
+    w = make_workload(duration_s=600.0, arrivals={"kind": "poisson", "rate": 0.02},
+                      prompt_tokens={"kind": "fixed", "value": 120}, output_tokens={"kind": "fixed", "value": 30})
+    res = run_sim(w, StaticPolicy(single_tier_slo(), 0.0), slo=single_tier_slo(), profile=profile, replicas=1,
+                  seed=6)
+    rec = res.records
+    alone = rec["start_s"] == rec["arrival_s"]
+    assert alone.sum() >= 5
+    prefill_ms = 300.0 + (120 - 16) / (256 - 16) * 200.0
+    assert abs(prefill_ms - (lat.prefill_fixed_ms + 120 * lat.prefill_ms_per_token)) > 50.0
+    expected_s = (prefill_ms + float(lat.iteration_ms(1, profile.default_k))) / 1000
+    assert np.allclose((rec["first_token_s"] - rec["arrival_s"])[alone], expected_s, rtol=1e-9)
+
+
+def test_serving_overhead_is_what_the_client_sees_and_not_what_the_policy_reads() -> None:
+    w = make_workload(duration_s=120.0, arrivals={"kind": "poisson", "rate": 0.8})
+    base, served = (run_sim(w, seed=3, serving_overhead_ms=ms) for ms in (0.0, 40.0))
+    done = ~np.isnan(base.records["completion_s"])
+    assert done.sum() > 50
+    for col in ("first_token_s", "completion_s"):
+        assert np.allclose(served.records[col][done] - base.records[col][done], 0.040, rtol=0, atol=1e-9)
+    assert np.array_equal(np.isnan(served.records["completion_s"]), ~done)
+    assert np.array_equal(served.records["start_s"], base.records["start_s"])  # the engine's run is the same
+    for key, series in base.timeseries.items():  # the policy's view: replica-side, as live
+        assert np.array_equal(np.asarray(series), np.asarray(served.timeseries[key]), equal_nan=True), key
+    assert served.summary["ttft_ms"]["p50"] == pytest.approx(base.summary["ttft_ms"]["p50"] + 40.0)
+    assert served.summary["tpot_ms"]["p50"] == pytest.approx(base.summary["tpot_ms"]["p50"])
+    with pytest.raises(ValueError, match="serving_overhead_ms"):
+        SimConfig.from_dict({"serving_overhead_ms": -1.0})
+
+
 def test_same_seed_identical_different_seed_differs() -> None:
     w = make_workload(duration_s=200.0, arrivals={"kind": "poisson", "rate": 0.8})
     a = run_sim(w, seed=7)

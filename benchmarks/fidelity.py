@@ -113,10 +113,10 @@ def prompt_text(n_tokens: int, i: int) -> str:
 
 
 async def _one_request(client: Any, t0: float, at: float, i: int, prompt_tokens: int, max_tokens: int,
-                       args: argparse.Namespace) -> dict[str, Any]:
+                       args: argparse.Namespace, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
     common = {"max_tokens": max_tokens, "temperature": args.temperature, "seed": args.seed * 100_003 + i,
-              "stream": True, "fsd": {"tier": args.tier}}
+              "stream": True, "fsd": {"tier": args.tier}, **(extra or {})}
     if args.prompts == "calibration":
         # The text the profile's acceptance was measured on: acceptance depends on the text (filler
         # words are far more predictable than answers to instructions).
@@ -199,10 +199,11 @@ def _http_round_trip_ms(url: str, n: int = 20) -> float:
 
 def measure_serving_overhead(url: str, app_name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The request path the simulator does not model, measured apart before the legs (it is fixed before it
-    is compared with anything): ``--probes`` sequential one-token requests into the idle service, on the legs'
-    own path and prompt lengths, each the client's TTFT less the engine's busy time for it (the replica's
-    counters around it). What is left is HTTP, Serve's routing, the engine thread's admission and streaming
-    the token back. Returns the median (ms) and every probe."""
+    is compared with anything): ``--probes`` sequential one-token requests (``ignore_eos``) into the idle
+    service, on the legs' own path and prompt lengths, each the client's time from send to the end of the
+    stream less the engine's busy time for it (the replica's counters around it). What is left is HTTP, Serve's
+    routing, the engine thread's admission and streaming the token back. (The end of the stream, not the first
+    text: a single token may decode to no text yet.) Returns the median (ms) and every probe."""
     import httpx
 
     if args.probes <= 0:
@@ -212,24 +213,25 @@ def measure_serving_overhead(url: str, app_name: str, args: argparse.Namespace) 
 
     async def probe(j: int, prompt_tokens: int) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout)) as client:
-            return await _one_request(client, time.monotonic(), 0.0, 1_000_000 + j, prompt_tokens, 1, args)
+            return await _one_request(client, time.monotonic(), 0.0, 1_000_000 + j, prompt_tokens, 1, args,
+                                      {"ignore_eos": True})
 
     for j in range(args.probes):
         prompt_tokens = lo + (hi - lo) * j // max(1, args.probes - 1)
         before = _replica_counters(app_name)
         rec = asyncio.run(probe(j, prompt_tokens))
         after = _replica_counters(app_name)
-        if before is None or after is None or rec.get("ttft_ms") is None:
+        if before is None or after is None or rec.get("status") != 200 or rec.get("e2e_ms") is None:
             continue
         engine_ms = (after["busy_time_s"] - before["busy_time_s"]) * 1e3
-        probes.append({"prompt_tokens": rec.get("prompt_tokens", prompt_tokens), "client_ttft_ms": rec["ttft_ms"],
-                       "engine_busy_ms": engine_ms, "overhead_ms": rec["ttft_ms"] - engine_ms})
+        probes.append({"prompt_tokens": rec.get("prompt_tokens", prompt_tokens), "client_ms": rec["e2e_ms"],
+                       "engine_busy_ms": engine_ms, "overhead_ms": rec["e2e_ms"] - engine_ms})
     if not probes:
         raise RuntimeError("no serving-overhead probe was answered with counters; pass --serving-overhead-ms")
     overheads = [p["overhead_ms"] for p in probes]
     return {"ms": float(np.median(overheads)), "p10_ms": float(np.percentile(overheads, 10)),
             "p90_ms": float(np.percentile(overheads, 90)),
-            "source": f"median of {len(probes)} idle probes (client TTFT less the engine's busy time)",
+            "source": f"median of {len(probes)} idle one-token probes (client time less the engine's busy time)",
             "probes": probes}
 
 
@@ -526,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serving-overhead-ms", default=None, type=float, metavar="MS",
                    help="simulator leg: the request path outside the engine (HTTP, routing, streaming back), added "
                    "to its TTFT and E2E (sim.simulator.SimConfig.serving_overhead_ms). Default: measured before "
-                   "the legs by idle probes (client TTFT less the engine's busy time for the request); with "
+                   "the legs by idle one-token probes (client time less the engine's busy time for it); with "
                    "--resim, the stored measurement (0 where the report has none)")
     p.add_argument("--sim-seeds", type=int, default=None, metavar="N",
                    help="simulator leg: N replications on the same requests (seeds --seed .. --seed + N - 1); the "

@@ -86,7 +86,8 @@ def main() -> int:
     ap.add_argument("--sections", type=_sections, default=_SECTIONS,
                     help="which fitted sections --batch-profile-out writes (comma-separated; default both): "
                     "request_acceptance alone for a batch-invariant draft, whose batch multipliers are ~1 "
-                    "and would add only their noise (they are still fitted and reported)")
+                    "and would add only their noise (they are still fitted and reported where the reference batch "
+                    "was measured)")
     ap.add_argument("--refit", default=None, help="an earlier run's JSON: fit from its measurements (no models)")
     ap.add_argument("--out", default="results/acceptance_by_batch.json")
     args = ap.parse_args()
@@ -104,11 +105,17 @@ def main() -> int:
         out["command"] = command
     else:
         out = _measure(args, command)
+    status = 0
     if args.batch_profile_out is not None:
-        out["batch_fit"] = _write_batch_profile(out["acceptance"], args.batch_profile_out, command, args.sections)
+        try:
+            out["batch_fit"] = _write_batch_profile(out["acceptance"], args.batch_profile_out, command, args.sections)
+        except ValueError as exc:  # the measurement is still written (--refit can fit it later)
+            out["batch_fit"] = {"error": str(exc)}
+            print(f"acceptance_by_batch: error: {exc}", file=sys.stderr)
+            status = 2
 
     emit(out, args.out)
-    return 0
+    return status
 
 
 def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: str,
@@ -123,9 +130,14 @@ def _write_batch_profile(acceptance: list[dict[str, Any]], path: str, command: s
     samples = [BatchAcceptanceSample(batch=int(a["batch"]), threshold=float(a["threshold"]),
                                      tokens_per_row_iteration=float(a["tokens_per_row_iteration"]),
                                      row_iterations=int(a["row_iterations"])) for a in acceptance]
-    fitted = fit_batch_acceptance(base, samples, reference, source=command)
-    update: dict[str, Any] = {"batch_acceptance": fitted}
-    out: dict[str, Any] = {"reference_batch": reference, "thresholds": fitted.thresholds, "odds_scale": fitted.odds_scale}
+    update: dict[str, Any] = {}
+    out: dict[str, Any] = {"reference_batch": reference, "thresholds": None, "odds_scale": None}
+    if "batch_acceptance" in sections or any(s.batch == reference for s in samples):
+        # Multipliers are relative to the reference batch: without it only κ can be fitted (ValueError naming the
+        # batch when the batch section is asked for).
+        fitted = fit_batch_acceptance(base, samples, reference, source=command)
+        update["batch_acceptance"] = fitted
+        out.update(thresholds=fitted.thresholds, odds_scale=fitted.odds_scale)
     # Per-request spread (κ), each (batch, T) about its own mean, where the run recorded requests.
     counted = [a for a in acceptance if a.get("request_accepted") is not None]
     if counted:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from benchmarks.acceptance_by_batch import _write_batch_profile
 from sim.profile import DEFAULT_PROFILE_PATH, Profile
@@ -48,3 +49,19 @@ def test_without_a_profile_at_the_path_the_shipped_one_is_the_base(tmp_path: Pat
     assert written.latency == Profile.load(DEFAULT_PROFILE_PATH).latency
     assert written.request_acceptance is not None
     assert written.request_acceptance.source.endswith("test")
+
+
+def test_kappa_alone_needs_no_reference_batch(tmp_path: Path) -> None:
+    # A run at the small batches a service runs at (session 28: batches 1 and 2 at T = 0, 0.25, 0.5) fits κ; the
+    # batch multipliers are relative to batch 8, which it did not measure: they are left out, not an error.
+    small = [g for g in _acceptance(2) if g["batch"] == 1]
+    small.append({**small[0], "batch": 2})
+    path = tmp_path / "kappa.json"
+    out = _write_batch_profile(small, str(path), "test", sections=("request_acceptance",))
+    assert out["odds_scale"] is None and out["sections_written"] == ["request_acceptance"]
+    written = Profile.load(str(path))
+    assert written.request_acceptance is not None
+    assert written.batch_acceptance == Profile.load(DEFAULT_PROFILE_PATH).batch_acceptance
+    # Asked for the batch section, the missing reference batch is named.
+    with pytest.raises(ValueError, match="reference batch 8"):
+        _write_batch_profile(small, str(tmp_path / "both.json"), "test")

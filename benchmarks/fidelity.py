@@ -360,6 +360,18 @@ def _profile_prefill_ms(lat: Any, calls: int, tokens: float, k: int) -> float:
     return float(fixed * calls + per_token * tokens)
 
 
+def _tokens_over_requests(profile: Any, records: list[dict[str, Any]], div: str, k: int,
+                          batch: float) -> float | None:
+    """The profile's tokens per row-iteration averaged over the answered requests at each one's own T, weighted
+    by its drafted tokens (its share of the row-iterations, about): tokens per step are concave in T, so the
+    profile at the mean T of a run whose T moves overstates them (by 2-4 points in runs 9-10)."""
+    rows = [(float(r["fsd"]["threshold"]), float(r["fsd"].get("drafted_tokens") or 0)) for r in records]
+    weight = sum(w for _, w in rows)
+    if weight <= 0:
+        return None
+    return float(sum(w * profile.expected_tokens_per_iter(div, t, k, batch) for t, w in rows) / weight)
+
+
 def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, profile: Any,
                   real_records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any] | None:
     """Where the simulator's error comes from, from the replica's counters over the scenario."""
@@ -379,6 +391,7 @@ def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, p
     mean_t = float(np.mean([r["fsd"]["threshold"] for r in ok])) if ok else 0.0
     real_tokens = d["output_tokens"] / d["row_iterations"]
     predicted_tokens = profile.expected_tokens_per_iter(args.div, mean_t, k, mean_batch)
+    over_requests = _tokens_over_requests(profile, ok, args.div, k, mean_batch)
     prefill_calls = max(1, sum(1 for _ in ok))  # upper bound on admissions: one per request
     return {
         "iterations": d["iterations"],
@@ -393,6 +406,8 @@ def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, p
         "tokens_per_row_iteration_real": real_tokens,
         "tokens_per_row_iteration_profile": predicted_tokens,
         "tokens_per_iteration_rel_error": _rel(predicted_tokens, real_tokens),
+        "tokens_per_row_iteration_profile_over_requests": over_requests,
+        "tokens_per_iteration_over_requests_rel_error": _rel(over_requests, real_tokens),
         "prefill_ms_real_total": d["prefill_time_s"] * 1e3,
         "prefill_ms_profile_total_upper": _profile_prefill_ms(lat, prefill_calls, d["prefill_tokens"], k),
         "acceptance_rate_real": d["accepted"] / d["drafted"] if d["drafted"] else None,
@@ -805,9 +820,12 @@ def _against_profile(parts: dict[str, Any] | None, profile: Any, real_records: l
     tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k, parts["mean_batch"])
     ok = [r for r in real_records if r.get("fsd")]
     prefill = _profile_prefill_ms(lat, max(1, len(ok)), sum(r.get("prompt_tokens", 0) for r in ok), args.k)
+    over = _tokens_over_requests(profile, ok, args.div, args.k, parts["mean_batch"])
     out = {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),
            "tokens_per_row_iteration_profile": tokens,
            "tokens_per_iteration_rel_error": _rel(tokens, parts["tokens_per_row_iteration_real"]),
+           "tokens_per_row_iteration_profile_over_requests": over,
+           "tokens_per_iteration_over_requests_rel_error": _rel(over, parts["tokens_per_row_iteration_real"]),
            "prefill_ms_profile_total_upper": prefill}
     out.pop("ttft_gap_ms_p50", None)
     return out

@@ -87,6 +87,9 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
     assert traj["sim_mean"] == pytest.approx(0.5) and traj["real_mean"] == pytest.approx(0.5, abs=0.05)
     decomposition = row["decomposition"]
     assert decomposition is not None and decomposition["iterations"] > 0
+    # A static T: the profile over the requests' own T is the profile at their mean T.
+    assert decomposition["tokens_per_row_iteration_profile_over_requests"] == pytest.approx(
+        decomposition["tokens_per_row_iteration_profile"])
     # The serving overhead, measured apart before the legs: every probe answered, and the client's time holds
     # the engine's busy time for it.
     overhead = report["serving_overhead"]

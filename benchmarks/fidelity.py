@@ -256,7 +256,8 @@ def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy:
     tier = np.full(len(recs), tier_names.index(args.tier), dtype=np.int16)
     requests = Requests(arrival, prompt, output, tier, tuple(tier_names))
     k = args.k
-    cfg = SimConfig(seed=args.seed if seed is None else seed, replicas=args.replicas, max_batch=args.max_batch, max_queue=args.max_queued,
+    cfg = SimConfig(seed=args.seed if seed is None else seed, replicas=args.replicas, max_batch=args.max_batch,
+                    max_queue=args.max_queued,
                     routing="least_loaded", control_interval_s=args.interval, push_delay_s=0.005,
                     div=args.div, k=k, drain_timeout_s=args.request_timeout,
                     serving_overhead_ms=args.serving_overhead_ms or 0.0)
@@ -351,13 +352,11 @@ def threshold_trajectory_error(real: list[dict[str, Any]], sim: list[dict[str, A
     return {"mean_abs_diff": float(np.abs(r - s).mean()), "real_mean": float(r.mean()), "sim_mean": float(s.mean())}
 
 
-def _profile_prefill_ms(lat: Any, calls: int, tokens: float, k: int) -> float:
-    """The profile's prefill over ``calls`` admissions of ``tokens`` prompt tokens in all, every request
-    joining at draft length ``k`` (at k > 0 the draft prefills too, where the profile has it apart)."""
-    fixed, per_token = lat.prefill_fixed_ms, lat.prefill_ms_per_token
-    if k > 0:
-        fixed, per_token = fixed + lat.draft_prefill_fixed_ms, per_token + lat.draft_prefill_ms_per_token
-    return float(fixed * calls + per_token * tokens)
+def _profile_prefill_ms(lat: Any, records: list[dict[str, Any]], k: int) -> float:
+    """The profile's prefill over the answered requests, each admitted alone at draft length ``k`` (an upper
+    bound: joiners admitted together share one prefill's fixed cost). ``LatencyModel.prefill_ms`` reads the
+    measured prefills by prompt length where the profile has them."""
+    return float(sum(lat.prefill_ms(int(r.get("prompt_tokens", 0)), None if k > 0 else 0) for r in records))
 
 
 def _tokens_over_requests(profile: Any, records: list[dict[str, Any]], div: str, k: int,
@@ -392,7 +391,6 @@ def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, p
     real_tokens = d["output_tokens"] / d["row_iterations"]
     predicted_tokens = profile.expected_tokens_per_iter(args.div, mean_t, k, mean_batch)
     over_requests = _tokens_over_requests(profile, ok, args.div, k, mean_batch)
-    prefill_calls = max(1, sum(1 for _ in ok))  # upper bound on admissions: one per request
     return {
         "iterations": d["iterations"],
         "mean_batch": mean_batch,
@@ -409,7 +407,7 @@ def decomposition(before: dict[str, Any] | None, after: dict[str, Any] | None, p
         "tokens_per_row_iteration_profile_over_requests": over_requests,
         "tokens_per_iteration_over_requests_rel_error": _rel(over_requests, real_tokens),
         "prefill_ms_real_total": d["prefill_time_s"] * 1e3,
-        "prefill_ms_profile_total_upper": _profile_prefill_ms(lat, prefill_calls, d["prefill_tokens"], k),
+        "prefill_ms_profile_total_upper": _profile_prefill_ms(lat, ok, k),
         "acceptance_rate_real": d["accepted"] / d["drafted"] if d["drafted"] else None,
     }
 
@@ -819,7 +817,7 @@ def _against_profile(parts: dict[str, Any] | None, profile: Any, real_records: l
     step = float(lat.iteration_ms(parts["mean_batch"], args.k))
     tokens = profile.expected_tokens_per_iter(args.div, parts["mean_threshold"], args.k, parts["mean_batch"])
     ok = [r for r in real_records if r.get("fsd")]
-    prefill = _profile_prefill_ms(lat, max(1, len(ok)), sum(r.get("prompt_tokens", 0) for r in ok), args.k)
+    prefill = _profile_prefill_ms(lat, ok, args.k)
     over = _tokens_over_requests(profile, ok, args.div, args.k, parts["mean_batch"])
     out = {**parts, "decode_step_ms_profile": step, "decode_step_rel_error": _rel(step, parts["decode_step_ms_real"]),
            "tokens_per_row_iteration_profile": tokens,

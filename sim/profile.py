@@ -253,13 +253,18 @@ class LatencyModel(BaseModel):
     def target_prefill_ms(self, prompt_tokens: float) -> float:
         """The target's prefill of ``prompt_tokens``: through the measured points where the profile has them,
         else the line."""
-        table = self.prefill_ms_by_tokens
-        if not table:
+        if not self.prefill_ms_by_tokens:
             return self.prefill_fixed_ms + self.prefill_ms_per_token * prompt_tokens
-        last_tokens, last_ms = table[-1]
-        if prompt_tokens >= last_tokens:
-            return last_ms + self.prefill_ms_per_token * (prompt_tokens - last_tokens)
-        return float(np.interp(prompt_tokens, [t for t, _ in table], [ms for _, ms in table]))
+        tokens, ms = self._prefill_points
+        if prompt_tokens >= tokens[-1]:
+            return float(ms[-1] + self.prefill_ms_per_token * (prompt_tokens - tokens[-1]))
+        return float(np.interp(prompt_tokens, tokens, ms))
+
+    @cached_property
+    def _prefill_points(self) -> tuple[np.ndarray, np.ndarray]:
+        """``prefill_ms_by_tokens`` as two arrays, built once (a join's prefill is read once per segment)."""
+        points = np.asarray(self.prefill_ms_by_tokens, dtype=float)
+        return points[:, 0], points[:, 1]
 
     @property
     def models_draft_prefill(self) -> bool:

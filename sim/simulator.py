@@ -57,9 +57,10 @@ class SimConfig(BaseModel):
     horizon_iters: int = Field(48, ge=1, description="iterations drawn per segment at most (speed only)")
     replica_usd_per_hour: float | None = Field(None, gt=0)
     serving_overhead_ms: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="the request's path outside the engine (HTTP, routing, streaming the tokens back), "
-        "measured apart: added to every answered request's first token and completion as the client sees them "
-        "(records and summary), not to the telemetry the policy reads, which live comes from the replicas' stamps"
+        0.0, ge=0, allow_inf_nan=False,
+        description="the request's path outside the engine (HTTP, routing, streaming the tokens back), measured "
+        "apart: added to every answered request's first token and completion as the client sees them (records "
+        "and summary), not to the telemetry the policy reads, which live comes from the replicas' stamps"
     )
 
     def policy_replica_bounds(self) -> tuple[int, int] | None:

@@ -383,7 +383,8 @@ _MIN_EXPECTED = 5.0
 
 
 def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str = "",
-                           groups: ArrayLike | None = None) -> RequestAcceptance | None:
+                           groups: ArrayLike | None = None,
+                           expected: ArrayLike | None = None) -> RequestAcceptance | None:
     """κ of :class:`~sim.profile.RequestAcceptance` from per-request counts (drafted tokens and how many
     were accepted), at one operating point — or at several, labelled by ``groups`` (e.g. one label per
     (batch, T)): then the spread is the pooled within-group variance, each group about its own mean;
@@ -403,9 +404,13 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
     rates pile up at 1, where the formula overstates the noise several times and would cancel the spread the
     other groups measure (session 27: the session-26 calibration's T = 0 groups show κ ≈ 16, pooled with
     its T = 0.5 and 1 groups they showed none).
-    """
-    from scipy.special import polygamma
 
+    ``expected`` (instead of ``groups``) gives each request the rate a model predicts for it, e.g. the
+    profile's at the T and batch the request actually ran at on a live service, where no two requests share
+    an operating point: the spread is then about ``logit(expected)`` plus one common offset (the model's
+    level error, which the simulator's centring takes out anyway), and the rule above reads each request's
+    own expected rate.
+    """
     acc = np.asarray(accepted, dtype=float)
     drf = np.asarray(drafted, dtype=float)
     if acc.shape != drf.shape or acc.ndim != 1:
@@ -414,6 +419,10 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
         raise ValueError(f"need at least 3 requests to fit a spread, got {acc.size}")
     if np.any(drf <= 0) or np.any(acc < 0) or np.any(acc > drf):
         raise ValueError("every request needs drafted > 0 and 0 <= accepted <= drafted")
+    if expected is not None:
+        if groups is not None:
+            raise ValueError("pass groups or expected, not both")
+        return _fit_about_expected(acc, drf, np.asarray(expected, dtype=float), source)
     if groups is None:
         index = np.zeros(acc.size, dtype=np.int64)
     else:
@@ -438,11 +447,24 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
     if acc.size - n_groups < 2:
         return None
     log_odds = np.log((acc + 0.5) / (drf - acc + 0.5))
-    rates = (acc + 0.5) / (drf + 1.0)
-    sampling = float(np.mean(1.0 / (drf * rates * (1.0 - rates))))
     means = np.bincount(index, weights=log_odds) / np.bincount(index)
     variance = float(np.sum((log_odds - means[index]) ** 2) / (acc.size - n_groups))
-    excess = variance - sampling
+    kappa = _kappa_from_variance(variance, acc, drf)
+    if kappa is None:
+        return None
+    if acc.size == total:
+        return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {total} requests")
+    used = f"fit_request_acceptance over {acc.size} requests of {total} (the others in groups of one request or whose acceptance saturates)"
+    return RequestAcceptance(concentration=kappa, source=f"{source}; {used}" if source else used)
+
+
+def _kappa_from_variance(variance: float, acc: np.ndarray, drf: np.ndarray) -> float | None:
+    """κ whose log-odds spread ``2·ψ₁(κ/2)`` is ``variance`` less the requests' mean sampling variance (None
+    when nothing is left)."""
+    from scipy.special import polygamma
+
+    rates = (acc + 0.5) / (drf + 1.0)
+    excess = variance - float(np.mean(1.0 / (drf * rates * (1.0 - rates))))
     if excess <= 0.0:
         return None
 
@@ -451,18 +473,35 @@ def fit_request_acceptance(accepted: ArrayLike, drafted: ArrayLike, source: str 
 
     low, high = 1e-6, 1e9
     if excess >= spread(low):
-        kappa = low
-    else:
-        for _ in range(200):  # bisection in log κ
-            mid = math.sqrt(low * high)
-            if spread(mid) > excess:
-                low = mid
-            else:
-                high = mid
-        kappa = math.sqrt(low * high)
-    if acc.size == total:
-        return RequestAcceptance(concentration=kappa, source=source or f"fit_request_acceptance over {total} requests")
-    used = f"fit_request_acceptance over {acc.size} requests of {total} (the others in groups of one request or whose acceptance saturates)"
+        return low
+    for _ in range(200):  # bisection in log κ
+        mid = math.sqrt(low * high)
+        if spread(mid) > excess:
+            low = mid
+        else:
+            high = mid
+    return math.sqrt(low * high)
+
+
+def _fit_about_expected(acc: np.ndarray, drf: np.ndarray, expected: np.ndarray,
+                        source: str) -> RequestAcceptance | None:
+    """:func:`fit_request_acceptance` with a model rate per request (see its docstring)."""
+    if expected.shape != acc.shape:
+        raise ValueError(f"expected must give every request a rate, got shape {expected.shape} for {acc.shape}")
+    bad = ~((expected > 0.0) & (expected < 1.0))
+    if bad.any():
+        raise ValueError(f"expected rates must lie in (0, 1), got {expected[bad][0]!r}")
+    total = acc.size
+    keep = drf * np.minimum(expected, 1.0 - expected) >= _MIN_EXPECTED
+    if int(keep.sum()) < 3:
+        return None
+    acc, drf, expected = acc[keep], drf[keep], expected[keep]
+    residual = np.log((acc + 0.5) / (drf - acc + 0.5)) - np.log(expected / (1.0 - expected))
+    kappa = _kappa_from_variance(float(residual.var(ddof=1)), acc, drf)
+    if kappa is None:
+        return None
+    used = (f"fit_request_acceptance about per-request expected rates over {acc.size} requests of {total}"
+            f" (the others expect fewer than {_MIN_EXPECTED:g} accepted or rejected drafts)")
     return RequestAcceptance(concentration=kappa, source=f"{source}; {used}" if source else used)
 
 

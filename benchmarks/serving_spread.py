@@ -89,8 +89,8 @@ def expected_rates(profile: Profile, div: str, k: int, threshold: np.ndarray, ro
                      for t, b in zip(threshold, rows, strict=True)])
 
 
-def fit(reports: list[dict[str, Any]], profile: Profile) -> dict[str, Any]:
-    """κ pooled over the reports' scenarios, and per scenario."""
+def fit(reports: list[tuple[str, dict[str, Any]]], profile: Profile) -> dict[str, Any]:
+    """κ pooled over the (name, report) pairs' scenarios, and per scenario."""
     pooled: dict[str, list[np.ndarray]] = {"accepted": [], "drafted": [], "expected": []}
     per_scenario = []
     for name, report in reports:

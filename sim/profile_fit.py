@@ -490,7 +490,7 @@ def _fit_about_expected(acc: np.ndarray, drf: np.ndarray, expected: np.ndarray,
         raise ValueError(f"expected must give every request a rate, got shape {expected.shape} for {acc.shape}")
     bad = ~((expected > 0.0) & (expected < 1.0))
     if bad.any():
-        raise ValueError(f"expected rates must lie in (0, 1), got {expected[bad][0]!r}")
+        raise ValueError(f"expected rates must lie in (0, 1), got {float(expected[bad][0])!r}")
     total = acc.size
     keep = drf * np.minimum(expected, 1.0 - expected) >= _MIN_EXPECTED
     if int(keep.sum()) < 3:

@@ -158,3 +158,42 @@ def test_fit_recovers_the_concentration(kappa: float) -> None:
     assert fitted_plain is None or fitted_plain.concentration > 50.0
     with pytest.raises(ValueError, match="accepted <= drafted"):
         fit_request_acceptance([5, 3, 9], [4, 4, 4])
+
+
+def test_fit_about_expected_rates_removes_the_operating_points() -> None:
+    """Requests at different operating points (model rates 0.2–0.9, as on a live service where the policy
+    moves T): compared with each one's expected rate the fit finds the drawn κ within 25 %; pooled as one
+    group it reads the spread of the operating points as per-request spread (κ a quarter smaller or more)."""
+    from sim.profile_fit import fit_request_acceptance
+
+    rng = np.random.default_rng(29)
+    n, kappa = 600, 6.0
+    drafted = rng.integers(40, 121, size=n)
+    base = rng.uniform(0.2, 0.9, size=n)
+    odds = RequestAcceptance(concentration=kappa).draw_odds_scales(rng, n)
+    accepted = rng.binomial(drafted, shifted_acceptance(base, odds))
+    fitted = fit_request_acceptance(accepted, drafted, expected=base)
+    assert fitted is not None and fitted.concentration == pytest.approx(kappa, rel=0.25)
+    assert "expected rates over 600 requests of 600" in fitted.source
+    pooled = fit_request_acceptance(accepted, drafted)
+    assert pooled is not None and pooled.concentration < 0.75 * fitted.concentration
+    # A common level error (the model 0.5 logit off for every request) is the offset, not spread.
+    shifted_base = shifted_acceptance(base, np.exp(0.5))
+    off = fit_request_acceptance(accepted, drafted, expected=shifted_base)
+    assert off is not None and off.concentration == pytest.approx(fitted.concentration, rel=0.15)
+
+
+def test_fit_about_expected_rates_leaves_out_saturated_requests_and_refuses_bad_input() -> None:
+    from sim.profile_fit import fit_request_acceptance
+
+    drafted = np.full(6, 50)
+    accepted = np.array([25, 30, 20, 49, 50, 50])
+    expected = np.array([0.5, 0.5, 0.5, 0.99, 0.995, 0.999])
+    fitted = fit_request_acceptance(accepted, drafted, expected=expected)
+    assert fitted is None or "over 3 requests of 6" in fitted.source
+    with pytest.raises(ValueError, match="groups or expected"):
+        fit_request_acceptance(accepted, drafted, groups=[0, 0, 0, 1, 1, 1], expected=expected)
+    with pytest.raises(ValueError, match=r"\(0, 1\), got 1.0"):
+        fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5, 0.5, 0.9, 0.9, 1.0])
+    with pytest.raises(ValueError, match="shape"):
+        fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5])

@@ -240,10 +240,33 @@ def measure_serving_overhead(url: str, app_name: str, args: argparse.Namespace) 
 # ---------------------------------------------------------------------------------------------------
 
 
+class RecordedThresholds:
+    """A policy that sets each tier's T to what the service ran at that time (its status samples, each
+    value held until the next): the simulator leg with the service's own decisions (``--open-loop``)."""
+
+    def __init__(self, t_samples: list[dict[str, Any]], tier_names: list[str]) -> None:
+        if not t_samples:
+            raise ValueError("--open-loop needs the real leg's T samples; the report has none")
+        self._times = [float(s["t_s"]) for s in t_samples]
+        self._thresholds = [{name: float(s["thresholds"][name]) for name in tier_names} for s in t_samples]
+
+    def decide(self, telemetry: Any) -> Any:
+        from bisect import bisect_right
+
+        from policies.decision import Decision
+
+        j = max(0, bisect_right(self._times, telemetry.time_s) - 1)
+        return Decision(thresholds=self._thresholds[j], reason="the service's T at this time")
+
+    def reset(self) -> None:
+        pass
+
+
 def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy: dict[str, Any],
-             tier_names: list[str], args: argparse.Namespace, seed: int | None = None) -> dict[str, Any]:
+             tier_names: list[str], args: argparse.Namespace, seed: int | None = None,
+             recorded: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run the simulator on exactly the requests the real run saw (``seed``: its random draws; default
-    ``--seed``)."""
+    ``--seed``); with ``recorded`` (the real leg's T samples) the T it ran at instead of the policy."""
     from policies.registry import make_policy
     from sim.simulator import SimConfig, Simulator
     from sim.workload import Requests
@@ -261,8 +284,9 @@ def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy:
                     routing="least_loaded", control_interval_s=args.interval, push_delay_s=0.005,
                     div=args.div, k=k, drain_timeout_s=args.request_timeout,
                     serving_overhead_ms=args.serving_overhead_ms or 0.0)
-    pol = make_policy(policy, slo, speed_curve=profile.to_speed_curve(args.div, k),
-                      latency_model=profile.to_latency_model(k))
+    pol = (RecordedThresholds(recorded, tier_names) if recorded is not None else
+           make_policy(policy, slo, speed_curve=profile.to_speed_curve(args.div, k),
+                       latency_model=profile.to_latency_model(k)))
     result = Simulator(cfg, profile, slo, requests, pol).run()
     t = result.records
     done = ~np.isnan(t["completion_s"]) & ~t["rejected"]
@@ -547,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulator leg: N replications on the same requests (seeds --seed .. --seed + N - 1); the "
                    "error is taken on the mean of their figures (a p95 over ~100 requests moves by several points "
                    "from one simulator seed to the next). Default 1; with --resim, the stored value")
+    p.add_argument("--open-loop", action="store_true",
+                   help="simulator leg: run at the T the service ran at (its status samples) instead of the policy: "
+                   "the engine model alone, without the control loop's own divergence (a diagnostic; the criterion "
+                   "is the closed loop). T only: refused for a policy that moves k; with --resim the command "
+                   "line's value is used")
     p.add_argument("--probes", type=int, default=12, help="idle probes for the serving overhead (0: none, then 0 ms)")
     p.add_argument("--resim", default=None, metavar="REPORT",
                    help="no service: re-run only the simulator leg on the real requests stored in an earlier "
@@ -599,6 +628,8 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
             concentration=args.request_acceptance, source="benchmarks/fidelity.py --request-acceptance")})
     if args.latency_from:
         profile = profile.model_copy(update={"latency": mean_latency(args.latency_from)})
+    if args.open_loop and policy_moves_k(args.policy):
+        raise ValueError(f"--open-loop replays T only, and --policy {args.policy} moves k (its k is not recorded)")
     if args.sim_seeds is not None and args.sim_seeds < 1:
         raise ValueError(f"--sim-seeds must be >= 1, got {args.sim_seeds}")
     if args.serving_overhead_ms is not None and not (math.isfinite(args.serving_overhead_ms)
@@ -632,6 +663,19 @@ def setup(args: argparse.Namespace, port: int, app_name: str = "fsd", route_pref
         "http": {"port": port, "admin_token": token, "request_timeout_s": args.request_timeout},
     })
     return Setup(profile, profile_path, slo, policy, list(slo.tiers), cfg, token)
+
+
+def policy_moves_k(spec: str) -> bool:
+    """Whether the policy spec may change k (all but PID, feed-forward and a static spec without draft
+    lengths); then a replay of the recorded T alone is not the run."""
+    try:
+        data = json.loads(spec)
+    except json.JSONDecodeError:
+        return False  # setup() names the bad JSON
+    name = data.get("policy") if isinstance(data, dict) else data
+    if isinstance(data, dict) and data.get("draft_lengths") is not None:
+        return True
+    return not (isinstance(name, str) and name.split(":")[0] in ("pid", "feedforward", "static"))
 
 
 def mean_latency(paths: str) -> Any:
@@ -705,7 +749,9 @@ def simulate_scenario(name: str, n_requests: int, real_run: dict[str, Any], part
                       st: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """The simulator leg on a real run's requests, and the comparison of the two."""
     print(f"fidelity: {name}: simulating", file=sys.stderr, flush=True)
-    replications = [simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args, args.seed + r)
+    recorded = real_run["t_samples"] if args.open_loop else None
+    replications = [simulate(real_run["records"], st.profile, st.slo, st.policy, st.tier_names, args, args.seed + r,
+                             recorded)
                     for r in range(max(1, args.sim_seeds or 1))]
     sim_run = replications[0]  # its records and T samples are stored and plotted
     real_sum = summarise(real_run["records"], args.duration_s)
@@ -784,7 +830,7 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     keep = {"profile": args.profile, "out": args.out, "png": args.png, "resim": args.resim,
             "request_acceptance": args.request_acceptance, "without": args.without,
             "latency_from": args.latency_from, "serving_overhead_ms": args.serving_overhead_ms,
-            "sim_seeds": args.sim_seeds}
+            "sim_seeds": args.sim_seeds, "open_loop": args.open_loop}
     known = vars(build_parser().parse_args([]))
     for key, value in settings.items():
         if key in known and key not in keep:

@@ -1,12 +1,14 @@
 """``benchmarks/fidelity.py``'s simulator-leg options: ``--latency-from`` (the latency of calibrations taken
 around the real leg, their coefficient-wise mean; the acceptance from ``--profile``), ``--sim-seeds`` (the
-figures' mean over replications) and ``--serving-overhead-ms`` (checked)."""
+figures' mean over replications), ``--serving-overhead-ms`` (checked) and ``--open-loop`` (the recorded T)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -78,3 +80,44 @@ def test_simulator_leg_flags_name_a_bad_value(flag: str, value: str) -> None:
     args = fidelity.build_parser().parse_args([flag, value])
     with pytest.raises(ValueError, match=flag):
         fidelity.setup(args, port=0)
+
+
+def _real_requests(n: int, seed: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(2.0, size=n))
+    return [{"arrival_s": float(a), "prompt_tokens": int(rng.integers(40, 120)), "output_tokens": int(rng.integers(24, 64)),
+             "max_tokens": 64, "prompt_tokens_asked": 64} for a in arrivals]
+
+
+def test_open_loop_runs_the_recorded_thresholds() -> None:
+    """The simulator leg at the service's recorded T: a constant record is the static policy at that T to the
+    request (same seed, no guards); a record that moves is followed tick by tick."""
+    from policies.slo import SLOSpec
+    from sim.profile import Profile
+
+    slo, profile = SLOSpec.default(), Profile.load(DEFAULT_PROFILE_PATH)
+    names = list(slo.tiers)
+    args = fidelity.build_parser().parse_args(["--duration-s", "120", "--seed", "5"])
+    real = _real_requests(60, seed=1)
+    flat = [{"t_s": float(t), "thresholds": {n: (0.5 if n == "standard" else 0.0) for n in names}} for t in range(130)]
+    static = fidelity.simulate(real, profile, slo, {"policy": "static", "thresholds": {"standard": 0.5},
+                                                    "guards": False}, names, args)
+    replayed = fidelity.simulate(real, profile, slo, {"policy": "pid"}, names, args, recorded=flat)
+    assert replayed["records"] == static["records"]
+    moving = [{"t_s": float(t), "thresholds": {n: (0.0 if t < 60 or n != "standard" else 1.0) for n in names}}
+              for t in range(130)]
+    run = fidelity.simulate(real, profile, slo, {"policy": "pid"}, names, args, recorded=moving)
+    seen = {round(s["t_s"]): s["thresholds"]["standard"] for s in run["t_samples"]}
+    assert {t: v for t, v in seen.items() if 1 <= t < 60} == dict.fromkeys(range(1, 60), 0.0)
+    assert all(v == 1.0 for t, v in seen.items() if t >= 61)
+    assert run["records"] != static["records"]
+
+
+def test_open_loop_is_refused_where_it_cannot_replay_the_run() -> None:
+    args = fidelity.build_parser().parse_args(["--open-loop", "--policy", '{"policy": "slo"}'])
+    with pytest.raises(ValueError, match="--open-loop replays T only"):
+        fidelity.setup(args, port=0)
+    assert not fidelity.policy_moves_k('{"policy": "pid", "kp": 0.5}')
+    assert fidelity.policy_moves_k('{"policy": "static", "thresholds": 1, "draft_lengths": 2}')
+    with pytest.raises(ValueError, match="no T samples|T samples"):
+        fidelity.RecordedThresholds([], ["standard"])

@@ -303,7 +303,9 @@ def simulate(real_records: list[dict[str, Any]], profile: Any, slo: Any, policy:
     ts = result.timeseries
     samples = [{"t_s": float(x), "thresholds": {name: float(ts[f"T_{name}"][i]) for name in tier_names}}
                for i, x in enumerate(ts.get("time_s", []))]
-    return {"records": out, "t_samples": samples, "summary": result.summary, "iterations": result.iterations}
+    rows = result.meta["row_iterations"]
+    return {"records": out, "t_samples": samples, "summary": result.summary, "iterations": result.iterations,
+            "tokens_per_row_iteration": result.meta["decode_tokens"] / rows if rows else None}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -763,6 +765,14 @@ def simulate_scenario(name: str, n_requests: int, real_run: dict[str, Any], part
         # overhead measured apart; what is left of the gap is the model's error and the run's drift.
         parts = {**parts, "ttft_gap_ms_p50": real_sum["ttft_ms"]["p50"] - sim_sum["ttft_ms"]["p50"]}
         parts.pop("serving_overhead_ms_est", None)
+    sim_tokens = [rep["tokens_per_row_iteration"] for rep in replications if rep["tokens_per_row_iteration"]]
+    if parts is not None and sim_tokens and parts.get("tokens_per_row_iteration_real"):
+        # The simulator's own tokens per row-iteration, counted as the replica counts them (a request's last
+        # step clipped at its length, T as the simulated policy set it): the like-for-like acceptance check.
+        # The profile lines above take whole steps at each request's last T, which overstates them.
+        sim_mean = float(np.mean(sim_tokens))
+        parts = {**parts, "tokens_per_row_iteration_sim": sim_mean,
+                 "tokens_per_iteration_sim_rel_error": _rel(sim_mean, parts["tokens_per_row_iteration_real"])}
     return {
         "name": name,
         "duration_s": args.duration_s,

@@ -145,6 +145,13 @@ class WindowBins:
             sums[w] = np.add.reduce(ordered[start:end], axis=0)
             start = end
 
+    def totals(self) -> np.ndarray:
+        """Every bin's sums added up (a copy): the run's totals per feature, e.g. decode tokens per
+        sequence-iteration as the engine's counters give them."""
+        if self._queued:
+            self._fold()
+        return np.asarray(self.sums.sum(axis=0))
+
     def add_completion(self, bin_index: int, request_id: int) -> None:
         self.completed.setdefault(bin_index, []).append(request_id)
 

@@ -625,6 +625,11 @@ class Simulator:
         if self.requests.attribution:
             meta["attribution"] = self.requests.attribution
         iterations = sum(r.iterations for r in self.replicas)
+        # What the engine's counters give (decode tokens and sequence-iterations, the joiners' prefill
+        # iterations not among them): tokens per row-iteration as a service measures it, clipped last steps in.
+        totals = self.bins.totals()
+        meta["decode_tokens"] = float(totals[WindowBins.TOKENS])
+        meta["row_iterations"] = float(totals[WindowBins.SEQ_ITERS])
         return SimResult(summary, self.timeseries, records, meta, iterations=iterations, events=self.events)
 
 

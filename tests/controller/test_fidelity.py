@@ -90,6 +90,9 @@ def test_simulator_tracks_the_real_service_on_the_tiny_pair(ray_serve, tiny_prof
     # A static T: the profile over the requests' own T is the profile at their mean T.
     assert decomposition["tokens_per_row_iteration_profile_over_requests"] == pytest.approx(
         decomposition["tokens_per_row_iteration_profile"])
+    # The simulator leg's own tokens per row-iteration, counted as the replica counts them, beside the service's.
+    assert decomposition["tokens_per_row_iteration_sim"] >= 1.0
+    assert math.isfinite(decomposition["tokens_per_iteration_sim_rel_error"])
     # The serving overhead, measured apart before the legs: every probe answered, and the client's time holds
     # the engine's busy time for it.
     overhead = report["serving_overhead"]

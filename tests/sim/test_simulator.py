@@ -382,3 +382,30 @@ def test_telemetry_prefill_time_is_every_admission_prefill_once() -> None:
     assert len(groups) < len(rec["start_s"])  # some joiners shared a prefill
     expected = sum(profile.latency.prefill_ms(tokens) for tokens in groups.values())
     assert sum(seen) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize(("k", "threshold"), [(0, 0.0), (4, 0.0), (4, 1.0)])
+def test_run_totals_count_decode_tokens_and_row_iterations_as_the_engine_does(k: int, threshold: float) -> None:
+    """``meta`` carries the run's decode tokens and sequence-iterations: every emitted token once (the sum of
+    the completed requests' lengths), one token per row-iteration at k = 0, more than one when drafts are
+    accepted; and the same totals as the policy's per-window telemetry added up (conservation across windows)."""
+    slo = SLOSpec.default()
+    taps: list[tuple[int, int]] = []
+
+    class Tap(StaticPolicy):
+        def decide(self, telemetry):  # type: ignore[no-untyped-def]
+            rows = sum(s.rows for s in (telemetry.plain_steps, telemetry.speculative_steps) if s is not None)
+            taps.append((telemetry.output_tokens, rows))
+            return super().decide(telemetry)
+
+    w = make_workload(duration_s=120.0, arrivals={"kind": "poisson", "rate": 1.5},
+                      output_tokens={"kind": "lognormal", "median": 40, "sigma": 0.6, "max": 200})
+    res = run_sim(w, Tap(slo, threshold, draft_lengths=k), slo, replicas=2, max_batch=4, seed=9)
+    tokens, rows = res.meta["decode_tokens"], res.meta["row_iterations"]
+    done = ~np.isnan(res.records["completion_s"])
+    assert res.summary["unfinished"] == 0 and tokens == res.records["output_tokens"][done].sum()
+    if k == 0:
+        assert rows == tokens
+    else:
+        assert tokens / rows > 1.5
+    assert sum(t for t, _ in taps) == tokens and sum(r for _, r in taps) == rows

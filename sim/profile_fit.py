@@ -488,10 +488,11 @@ def _fit_about_expected(acc: np.ndarray, drf: np.ndarray, expected: np.ndarray,
     """:func:`fit_request_acceptance` with a model rate per request (see its docstring)."""
     if expected.shape != acc.shape:
         raise ValueError(f"expected must give every request a rate, got shape {expected.shape} for {acc.shape}")
-    bad = ~((expected > 0.0) & (expected < 1.0))
+    bad = ~((expected >= 0.0) & (expected <= 1.0))
     if bad.any():
-        raise ValueError(f"expected rates must lie in (0, 1), got {float(expected[bad][0])!r}")
+        raise ValueError(f"expected rates must lie in [0, 1], got {float(expected[bad][0])!r}")
     total = acc.size
+    # A rate of 0 or 1 (a saturated operating point) expects no rejected (accepted) drafts: left out here.
     keep = drf * np.minimum(expected, 1.0 - expected) >= _MIN_EXPECTED
     if int(keep.sum()) < 3:
         return None

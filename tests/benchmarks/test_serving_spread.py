@@ -24,12 +24,13 @@ def test_operating_point_of_a_request_is_time_weighted() -> None:
     assert rows.tolist() == pytest.approx([1.5, 1.5, 1.0])
 
 
-def _report(profile_path: Path, kappa: float, n: int, seed: int) -> dict[str, Any]:
+def _report(profile_path: Path, kappa: float, n: int, seed: int,
+            levels: tuple[float, ...] = (0.0, 0.1, 0.2)) -> dict[str, Any]:
     """A fidelity report's real leg drawn from the model: one request at a time (rows 1), T held per request
-    at 0, 0.1 or 0.2, each request's acceptance the profile's at its T shifted by a Beta(κ/2, κ/2) log-odds."""
+    at one of ``levels``, each request's acceptance the profile's at its T shifted by a Beta(κ/2, κ/2) log-odds."""
     profile = Profile.load(profile_path)
     rng = np.random.default_rng(seed)
-    thresholds = rng.choice([0.0, 0.1, 0.2], size=n)
+    thresholds = rng.choice(levels, size=n)
     base = np.array([profile.expected_acceptance_rate("kl", float(t), 4, batch=1.0) for t in thresholds])
     odds = RequestAcceptance(concentration=kappa).draw_odds_scales(rng, n)
     drafted = rng.integers(40, 121, size=n)
@@ -76,3 +77,17 @@ def test_bad_reports_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[s
             assert code == 0 and Profile.load(written).request_acceptance.concentration > 50  # type: ignore[union-attr]
         else:
             assert code == 2 and "no spread beyond sampling noise" in captured.err and not written.exists()
+
+
+def test_saturated_operating_points_are_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests at a T where the profile accepts every draft (rate exactly 1: T = 2 on the shipped profile) carry
+    no spread to measure: they are left out, and the others still give κ."""
+    assert Profile.load(DEFAULT_PROFILE_PATH).expected_acceptance_rate("kl", 2.0, 4, batch=1.0) == 1.0
+    report = tmp_path / "fidelity.json"
+    report.write_text(json.dumps(_report(DEFAULT_PROFILE_PATH, kappa=5.0, n=500, seed=7, levels=(0.0, 0.1, 2.0))))
+    assert serving_spread.main([str(report)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    saturated = sum(1 for s in _report(DEFAULT_PROFILE_PATH, 5.0, 500, 7, (0.0, 0.1, 2.0))["scenarios"][0]["real"]["t_samples"]
+                    if s["thresholds"]["standard"] == 2.0)
+    assert f"over {500 - saturated} requests of 500" in result["request_acceptance"]["source"]
+    assert result["request_acceptance"]["concentration"] == pytest.approx(5.0, rel=0.35)

@@ -188,12 +188,14 @@ def test_fit_about_expected_rates_leaves_out_saturated_requests_and_refuses_bad_
 
     drafted = np.full(6, 50)
     accepted = np.array([25, 30, 20, 49, 50, 50])
-    expected = np.array([0.5, 0.5, 0.5, 0.99, 0.995, 0.999])
+    expected = np.array([0.5, 0.5, 0.5, 0.99, 0.995, 1.0])  # a model may saturate at exactly 1
     fitted = fit_request_acceptance(accepted, drafted, expected=expected)
     assert fitted is None or "over 3 requests of 6" in fitted.source
     with pytest.raises(ValueError, match="groups or expected"):
         fit_request_acceptance(accepted, drafted, groups=[0, 0, 0, 1, 1, 1], expected=expected)
-    with pytest.raises(ValueError, match=r"\(0, 1\), got 1.0"):
-        fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5, 0.5, 0.9, 0.9, 1.0])
+    with pytest.raises(ValueError, match=r"\[0, 1\], got 1.2"):
+        fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5, 0.5, 0.9, 0.9, 1.2])
+    with pytest.raises(ValueError, match=r"\[0, 1\], got nan"):
+        fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5, 0.5, 0.9, 0.9, float("nan")])
     with pytest.raises(ValueError, match="shape"):
         fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5])

@@ -46,6 +46,7 @@ import os
 import socket
 import sys
 import time
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,8 +252,6 @@ class RecordedThresholds:
         self._thresholds = [{name: float(s["thresholds"][name]) for name in tier_names} for s in t_samples]
 
     def decide(self, telemetry: Any) -> Any:
-        from bisect import bisect_right
-
         from policies.decision import Decision
 
         j = max(0, bisect_right(self._times, telemetry.time_s) - 1)

@@ -66,20 +66,20 @@ def mean_threshold(spans: np.ndarray, t_samples: list[dict[str, Any]], tier: str
 
 
 def operating_points(scenario: dict[str, Any], tier: str) -> dict[str, np.ndarray]:
-    """Per answered request with drafts: accepted, drafted, its mean T and mean rows."""
-    records = [r for r in scenario["real"]["records"]
-               if r.get("status") == 200 and r.get("fsd") and r["fsd"].get("drafted_tokens", 0) > 0]
-    if not records:
-        return {"accepted": np.zeros(0), "drafted": np.zeros(0), "threshold": np.zeros(0), "rows": np.zeros(0)}
+    """Per answered request with drafts: accepted, drafted, its mean T and mean rows (every answered request,
+    drafting or not, counts among the rows beside it)."""
     answered = [r for r in scenario["real"]["records"] if r.get("status") == 200 and "ttft_ms" in r]
-    rows_all = mean_rows(decode_spans(answered))
-    index = {id(r): j for j, r in enumerate(answered)}
-    spans = decode_spans(records)
+    if not answered:
+        return {key: np.zeros(0) for key in ("accepted", "drafted", "threshold", "rows")}
+    spans = decode_spans(answered)
+    drafted = np.array([(r.get("fsd") or {}).get("drafted_tokens", 0) for r in answered], dtype=float)
+    mask = drafted > 0
     return {
-        "accepted": np.array([r["fsd"]["accepted_tokens"] for r in records], dtype=float),
-        "drafted": np.array([r["fsd"]["drafted_tokens"] for r in records], dtype=float),
-        "threshold": mean_threshold(spans, scenario["real"]["t_samples"], tier),
-        "rows": np.array([rows_all[index[id(r)]] for r in records]),
+        "accepted": np.array([r["fsd"]["accepted_tokens"] for r, m in zip(answered, mask, strict=True) if m],
+                             dtype=float),
+        "drafted": drafted[mask],
+        "threshold": mean_threshold(spans[mask], scenario["real"]["t_samples"], tier),
+        "rows": mean_rows(spans)[mask],
     }
 
 

@@ -1219,7 +1219,10 @@ class ModelPredictivePolicy:
                 x = lam * length / (1000.0 * mean_tokens)
                 denom = 1.0 - x * p
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    little = np.where(denom > 0, x * f / denom, np.inf)
+                    # At least 0: a plain step's segment of the measured table can have a negative intercept,
+                    # and its line read below the segment's rows gave a negative batch (NaN predictions: the
+                    # candidate could never meet). The next pass reads the segment at the batch clamped here.
+                    little = np.where(denom > 0, np.maximum(x * f / denom, 0.0), np.inf)
                 overloaded = little > self.max_batch
                 # A request lives through many steps while the batch fluctuates around its Little's-law
                 # mean (Poisson occupancy): plan for its upper quantile, mean + z·sqrt(mean), never below now.
@@ -1403,7 +1406,7 @@ class ModelPredictivePolicy:
             p = (self._step_ms(ks, shares, 1.0, near) - fixed) * per_row_correction
             denom = 1.0 - x * p
             with np.errstate(divide="ignore", invalid="ignore"):
-                little = np.where(denom > 0, x * f / denom, np.inf)
+                little = np.where(denom > 0, np.maximum(x * f / denom, 0.0), np.inf)  # >= 0: see decide
             planned = little + self.batch_z * np.sqrt(np.where(np.isfinite(little), little, 0.0))
             near = np.clip(planned, 1.0, float(self.max_batch))
         ok = little <= self.max_batch

@@ -817,6 +817,26 @@ def test_the_planned_plain_step_is_read_at_the_planned_batch() -> None:
     assert step == pytest.approx(CONCAVE[2], rel=0.02)  # 3 rows run: the table's 91 ms (the line says 81)
 
 
+def test_a_plain_segment_with_a_negative_intercept_still_plans_a_batch() -> None:
+    """Regression (session 30): a measured plain-step table whose segment at the running rows is steep (its line
+    crosses zero below them) gave a negative Little's batch at light load, NaN predictions, and a plain candidate
+    that could never meet; the shipped profile's table does this at three rows (38 ticks of a real step load's
+    replay). The batch is at least the rows running, and plain decoding meets a loose target."""
+    steep = (50.0, 52.0, 54.0, 100.0, 104.0, 108.0, 112.0, 116.0)  # rows 3 -> 4: slope 46, intercept -84
+    base = toy_model()
+    cost = StepCost(**{**asdict(base.cost), "plain_ms_by_batch": steep})
+    model = OperatingModel((OperatingPoint(0.0, 0, 1.0, 0.0),), cost, "plain only, steep table")
+    policy = ModelPredictivePolicy(SLOSpec(tiers={"economy": TierSLO(tpot_ms=1000.0, max_threshold=0.0)},
+                                           default_tier="economy"), model)
+    tiers = window("economy", k=0)
+    for tick in range(1, 11):  # one arrival in ten windows: a light load, three rows still running
+        decision = policy.decide(load(3, arrivals=int(tick == 1), tiers=tiers, time_s=float(tick)))
+    assert decision.reason.startswith("mpc meets"), decision.reason
+    prediction = policy.last_prediction["economy"]
+    assert np.isfinite(prediction["tpot_ms"]) and np.isfinite(prediction["step_ms"])
+    assert prediction["step_ms"] == pytest.approx(54.0, rel=0.1)  # three rows running: the table's 54 ms
+
+
 def test_steps_reported_by_kind_correct_each_kind_at_its_own_composition() -> None:
     """Plain steps (one replica) at 2x the model and speculative ones (another: 2 of 5 rows at k = 4) at 0.8x,
     in windows reported at k = 0 throughout (a long speculative step ends windows after a change): each fit

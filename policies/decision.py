@@ -1,4 +1,4 @@
-"""What a policy returns: T and draft length k per tier, and optionally a replica count."""
+"""What a policy returns: T and draft length k per tier, and optionally a batch cap and a replica count."""
 
 from __future__ import annotations
 
@@ -13,12 +13,19 @@ class Decision:
     decoding: one target token per step, no draft cost, no distortion). Tiers left out keep their
     current T / k.
 
+    ``batch_cap`` caps the requests each replica decodes at once (its running batch; the rest wait in its
+    queue), below the replica's configured ``max_batch_size`` (a larger cap is that size); None: no cap.
+    Why a policy caps: a request's TPOT is set by the batch it decodes in, and waiting in the queue costs
+    only TTFT; where the TTFT target has room, a cap meets a TPOT target at no distortion. It is not
+    sticky, unlike T and k: a decision without one lifts any cap in force.
+
     ``replicas`` is a suggestion the owner may apply or ignore; ``reason`` is a short human-readable
     explanation logged beside the decision.
     """
 
     thresholds: Mapping[str, float] = field(default_factory=dict)
     draft_lengths: Mapping[str, int] = field(default_factory=dict)
+    batch_cap: int | None = None
     replicas: int | None = None
     reason: str = ""
 
@@ -29,6 +36,9 @@ class Decision:
         for tier, k in self.draft_lengths.items():
             if isinstance(k, bool) or not isinstance(k, int) or k < 0:
                 raise ValueError(f"draft length for tier {tier!r} must be an int >= 0, got {k!r}")
+        if self.batch_cap is not None and (isinstance(self.batch_cap, bool) or not isinstance(self.batch_cap, int)
+                                           or self.batch_cap < 1):
+            raise ValueError(f"batch_cap must be an int >= 1 or None, got {self.batch_cap!r}")
         if self.replicas is not None and self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
 

@@ -99,7 +99,8 @@ class TierClamp(_Wrapper):
         draft_lengths = {name: k for name, k in inner.draft_lengths.items() if name in self.slo.tiers}
         dropped = sorted(set(unknown) | set(unknown_k))
         reason = inner.reason + (f" [clamp: dropped unknown tiers {dropped}]" if dropped else "")
-        return self._emit(Decision(thresholds, draft_lengths, inner.replicas, reason))
+        return self._emit(Decision(thresholds, draft_lengths, batch_cap=inner.batch_cap, replicas=inner.replicas,
+                                   reason=reason))
 
 
 class RateLimit(_Wrapper):
@@ -139,7 +140,8 @@ class RateLimit(_Wrapper):
                 limited.append(name)
             thresholds[name] = value
         reason = inner.reason + (f" [rate-limited: {', '.join(limited)}]" if limited else "")
-        return self._emit(Decision(thresholds, inner.draft_lengths, inner.replicas, reason))
+        return self._emit(Decision(thresholds, inner.draft_lengths, batch_cap=inner.batch_cap, replicas=inner.replicas,
+                                   reason=reason))
 
     def params(self) -> dict[str, Any]:
         return {"max_rate": self.max_rate}
@@ -172,7 +174,8 @@ class Hysteresis(_Wrapper):
                 thresholds[name] = current
             else:
                 thresholds[name] = target
-        return self._emit(Decision(thresholds, inner.draft_lengths, inner.replicas, inner.reason))
+        return self._emit(Decision(thresholds, inner.draft_lengths, batch_cap=inner.batch_cap, replicas=inner.replicas,
+                                   reason=inner.reason))
 
     def params(self) -> dict[str, Any]:
         return {"min_change": self.min_change}
@@ -266,7 +269,8 @@ class QualityGuard(_Wrapper):
                 thresholds[name] = cap_t
                 notes.append(f"{name}: T capped at {cap_t:.3g}")
         reason = inner.reason + (f" [quality: {'; '.join(notes)}]" if notes else "")
-        return self._emit(Decision(thresholds, inner.draft_lengths, inner.replicas, reason))
+        return self._emit(Decision(thresholds, inner.draft_lengths, batch_cap=inner.batch_cap, replicas=inner.replicas,
+                                   reason=reason))
 
     def params(self) -> dict[str, Any]:
         return {

@@ -428,6 +428,7 @@ class _Prediction(NamedTuple):
     cost: np.ndarray  # [candidates] ms of replica time per output token (switch margin included)
     ratios: dict[int, list[tuple[str, np.ndarray]]]  # per active tier: (metric, prediction × margin / target)
     meets: np.ndarray  # [candidates, tiers] bool
+    cap: np.ndarray  # [candidates] the batch cap planned (0: none)
 
 
 class ModelPredictivePolicy:
@@ -464,6 +465,12 @@ class ModelPredictivePolicy:
     * ``rate_z`` — with the look-ahead, a candidate meets only if it meets at the rate the last
       ``look_ahead_windows`` windows' arrivals allow at this many standard deviations (the Poisson upper
       bound); where none does, the most attainment at the measured rate (0: off).
+    * ``batch_cap`` — also cap the batch (``Decision.batch_cap``): every candidate is planned with a cap at
+      the most rows where it meets every TPOT target, where its load is below ``cap_utilisation`` of what
+      those rows serve; a planned batch above the cap is judged at the cap, its queue drained at the capped
+      rows' rate (TTFT). The cap is emitted only where every target is predicted met.
+    * ``rate_prior_s`` — the arrival rate is read over at least this many seconds from the start (0: from
+      the first window on).
     """
 
     name = "mpc"
@@ -496,6 +503,9 @@ class ModelPredictivePolicy:
         spread_prior: float = 0.3,
         look_ahead_windows: int = 10,
         rate_z: float = 2.0,
+        batch_cap: bool = False,
+        cap_utilisation: float = 0.85,
+        rate_prior_s: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -542,6 +552,12 @@ class ModelPredictivePolicy:
         if not (math.isfinite(rate_z) and rate_z >= 0):
             raise ValueError(f"rate_z must be finite and >= 0, got {rate_z}")
         self.rate_z = rate_z
+        if not (0 < cap_utilisation < 1):
+            raise ValueError(f"cap_utilisation must be in (0, 1), got {cap_utilisation}")
+        self.batch_cap, self.cap_utilisation = bool(batch_cap), cap_utilisation
+        if not (math.isfinite(rate_prior_s) and rate_prior_s >= 0):
+            raise ValueError(f"rate_prior_s must be finite and >= 0, got {rate_prior_s}")
+        self.rate_prior_s = rate_prior_s
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -812,7 +828,9 @@ class ModelPredictivePolicy:
         self._arrivals_sum = d * self._arrivals_sum + telemetry.arrivals
         self._time_sum = d * self._time_sum + telemetry.window_s
         self._arrivals_seen.append((float(telemetry.arrivals), float(telemetry.window_s)))
-        self.total_arrival_rate = self._arrivals_sum / self._time_sum
+        # With rate_prior_s, over the first that many seconds the rate is read over that span (the arrivals so
+        # far, none before): one early arrival in a first one-second window is not a rate of one per second.
+        self.total_arrival_rate = self._arrivals_sum / max(self._time_sum, self.rate_prior_s)
         self.arrival_rate = self.total_arrival_rate / replicas
         if math.isfinite(telemetry.prefill_ms):
             self._prefill_sum = d * self._prefill_sum + telemetry.prefill_ms
@@ -1249,6 +1267,22 @@ class ModelPredictivePolicy:
             tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
             rate = batch * mean_tokens * 1000.0 / step / length  # requests per second per replica
             wait = np.where(overloaded, np.inf, 1000.0 * queue / rate)
+            cap = np.zeros(n, dtype=np.int64)  # 0: no cap
+            if self.batch_cap:
+                capped = self._capped(corrected_line, tokens_model, by_batch, u.ks_plus_1, shares, stall, catch_up,
+                                      switch, batch, lam, length, queue)
+                if capped is not None:
+                    # A cap is held wherever it is stable, also where the planned batch is below it: a cluster of
+                    # arrivals fills the batch within a control window, faster than a cap set in reaction.
+                    use, cap_rows, step_c, tokens_c, mean_tokens_c, tpot_c, rate_c, wait_c = capped
+                    binding = use & (cap_rows < batch)
+                    batch = np.where(binding, cap_rows, batch)
+                    step = np.where(binding, step_c, step)
+                    tokens = np.where(binding[:, None], tokens_c, tokens)
+                    mean_tokens = np.where(binding, mean_tokens_c, mean_tokens)
+                    tpot = np.where(binding[:, None], tpot_c, tpot)
+                    wait = np.where(use, np.maximum(wait, wait_c), wait)
+                    cap = np.where(use & (cap_rows < self.max_batch), cap_rows, 0).astype(np.int64)
             cost = step / (batch * mean_tokens) * switch  # ms of replica time per output token, switch ranked in
             tpot_ranked = tpot * switch[:, None]
 
@@ -1271,7 +1305,7 @@ class ModelPredictivePolicy:
                     ratios[i].append(("ttft", ratio))
                 if self.short[name]:
                     meets[:, i] = False
-            return _Prediction(batch, step, tokens, mean_tokens, tpot, tpot_ranked, wait, cost, ratios, meets)
+            return _Prediction(batch, step, tokens, mean_tokens, tpot, tpot_ranked, wait, cost, ratios, meets, cap)
 
         # Plan for the rate the recent windows allow, not only the one measured: at a step's onset the decayed
         # estimate still reads the light phase. A candidate meets only if it meets at the Poisson upper bound of
@@ -1282,7 +1316,7 @@ class ModelPredictivePolicy:
         predicted = predict(lam_bound)
         if lam_bound > lam:
             predicted = predict(lam)._replace(meets=predicted.meets)
-        batch, step, tokens, mean_tokens, tpot, tpot_ranked, wait, cost, ratios, meets = predicted
+        batch, step, tokens, mean_tokens, tpot, tpot_ranked, wait, cost, ratios, meets, cap = predicted
         if pruned:
             within = np.ones(n, dtype=bool)
         else:  # every joint candidate, tested against every budget (also the reference for the pruning)
@@ -1383,8 +1417,56 @@ class ModelPredictivePolicy:
                   f"{self.plain_step.fixed:.2f}, {self.plain_step.per_row:.2f} / speculative "
                   + (" ".join(f"k{k} {fit.fixed:.2f}, {fit.per_row:.2f}" for k, fit in sorted(self.draft_steps.items()))
                      or "1.00, 1.00") + "; " + "; ".join(parts))
-        self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, replicas=wanted, reason=reason)
+        # A cap only where every target is predicted met: where none can be, throughput buys the most
+        # attainment (held-out overloaded cases lost 2-4 points of it to a cap).
+        batch_cap = (int(cap[best]) or None) if mode == "meets" else None
+        if batch_cap is not None:
+            reason += f"; batch capped at {batch_cap}"
+        self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, batch_cap=batch_cap,
+                                      replicas=wanted, reason=reason)
         return self.last_decision
+
+    def _capped(self, corrected_line: Any, tokens_model: np.ndarray, by_batch: np.ndarray | None,
+                ks_plus_1: np.ndarray, shares: np.ndarray, stall: np.ndarray, catch_up: np.ndarray,
+                switch: np.ndarray, batch: np.ndarray, lam: float, length: float,
+                queue: float) -> tuple[np.ndarray, ...] | None:
+        """Every candidate at a batch cap (``batch_cap``): the most rows at which it meets every TPOT target
+        (margins and the switch margin in), where its load fits ``cap_utilisation`` of what those rows serve.
+        Returns (use, rows, step, tokens, mean tokens, TPOT, request rate, wait ms) per candidate, or None
+        where no tier has a TPOT target.
+
+        Why: a request's TPOT is set by the rows it decodes beside, and a wait in the queue costs only TTFT.
+        A burst that fills the batch past what the TPOT target allows is then served at no distortion
+        where the TTFT target has room for its queue. The wait is the queue held now drained at the capped
+        rows' request rate, as without a cap (a steady-state M/M/c wait on top read the replays' bursts as
+        TTFT misses that the capped static point did not have)."""
+        targets = [(i, float(tier.tpot_ms), self.margin[name]) for i, name in enumerate(self.tier_names)
+                   if shares[i] > 0 and (tier := self.slo.tiers[name]).tpot_ms is not None]
+        if not targets:
+            return None
+        n = batch.shape[0]
+
+        def at(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            f, p = corrected_line(rows)
+            tokens = self._tokens_at(by_batch, rows, ks_plus_1) if by_batch is not None else tokens_model
+            step = f + p * rows
+            tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
+            return step, tokens, _row_sums(tokens * shares), tpot
+
+        rows_ok = np.zeros(n)
+        for r in range(1, self.max_batch + 1):
+            _, _, _, tpot = at(np.full(n, float(r)))
+            ok = np.ones(n, dtype=bool)
+            for i, target, m in targets:
+                ok &= m * tpot[:, i] * switch <= target
+            rows_ok = np.where(ok, float(r), rows_ok)
+        step, tokens, mean_tokens, tpot = at(np.maximum(rows_ok, 1.0))
+        service_s = length * step / (1000.0 * mean_tokens)  # one request's decode at the capped rows
+        offered = lam * service_s  # rows the load keeps busy on average
+        use = (rows_ok >= 1) & (offered < self.cap_utilisation * rows_ok)
+        rate = rows_ok / service_s  # requests per second the capped rows serve
+        wait_s = np.where(use, queue / np.where(use, rate, 1.0), np.inf)
+        return use, rows_ok, step, tokens, mean_tokens, tpot, rate, 1000.0 * wait_s
 
     # ------------------------------------------------------------------ replicas
 
@@ -1485,6 +1567,9 @@ class ModelPredictivePolicy:
             "scale_down_slack": self.scale_down_slack,
             "look_ahead_windows": self.look_ahead_windows,
             "rate_z": self.rate_z,
+            "batch_cap": self.batch_cap,
+            "cap_utilisation": self.cap_utilisation,
+            "rate_prior_s": self.rate_prior_s,
         }
 
     def __repr__(self) -> str:

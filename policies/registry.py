@@ -41,6 +41,7 @@ class _Params(BaseModel):
 class StaticParams(_Params):
     thresholds: float | dict[str, float] = Field(0.0, description="one T for every tier, or tier → T")
     draft_lengths: int | dict[str, int] | None = Field(None, description="one k for every tier, or tier → k")
+    batch_cap: int | None = Field(None, ge=1, description="the most requests a replica decodes at once (None: no cap)")
 
 
 class PIDParams(_Params):
@@ -128,6 +129,12 @@ class MPCParams(_Params):
                                     "candidate is planned for where the draft's catch-up is modelled; 0: off")
     rate_z: float = Field(2.0, ge=0, description="with the look-ahead, candidates must meet at this Poisson upper "
                           "bound (standard deviations) of the recent windows' arrival rate; 0: off")
+    batch_cap: bool = Field(False, description="also cap the batch where the TPOT target needs fewer rows and the "
+                            "TTFT target has room for the queue (Decision.batch_cap)")
+    cap_utilisation: float = Field(0.85, gt=0, lt=1, description="with batch_cap: the most load, as a share of what "
+                                   "the capped rows serve, a cap is planned for")
+    rate_prior_s: float = Field(0.0, ge=0, description="the arrival rate is read over at least this many seconds from "
+                                "the start (0: from the first window)")
 
 
 class QualityParams(_Params):
@@ -149,7 +156,7 @@ class GuardParams(_Params):
 
 
 def _build_static(p: StaticParams, slo: SLOSpec, ctx: _Context) -> Policy:
-    return StaticPolicy(slo, p.thresholds, p.draft_lengths)
+    return StaticPolicy(slo, p.thresholds, p.draft_lengths, p.batch_cap)
 
 
 def _build_pid(p: PIDParams, slo: SLOSpec, ctx: _Context) -> Policy:
@@ -348,6 +355,7 @@ def describe(policy: object) -> dict[str, Any]:
         out["last_decision"] = {
             "thresholds": dict(last.thresholds),
             "draft_lengths": dict(last.draft_lengths),
+            "batch_cap": last.batch_cap,
             "replicas": last.replicas,
             "reason": last.reason,
         }

@@ -18,7 +18,8 @@ class StaticPolicy:
     left out get their ``min_threshold``). Every T is clamped into its tier's bounds and pinned tiers
     keep their pin, so ``StaticPolicy(slo, 0.0)`` is standard speculative decoding everywhere.
     ``draft_lengths`` is one k for every tier, a mapping tier → k (tiers left out keep theirs), or None
-    (k is left to the data plane's default).
+    (k is left to the data plane's default). ``batch_cap``: the most requests a replica decodes at once
+    (:class:`~policies.decision.Decision`), None for none.
     """
 
     name = "static"
@@ -28,6 +29,7 @@ class StaticPolicy:
         slo: SLOSpec,
         thresholds: float | Mapping[str, float],
         draft_lengths: int | Mapping[str, int] | None = None,
+        batch_cap: int | None = None,
     ) -> None:
         self.slo = slo
         if isinstance(thresholds, Mapping):
@@ -57,11 +59,15 @@ class StaticPolicy:
             if k < 0:
                 raise ValueError(f"draft_lengths[{name!r}] must be >= 0, got {k}")
         self._draft_lengths = ks
+        if batch_cap is not None and (isinstance(batch_cap, bool) or not isinstance(batch_cap, int) or batch_cap < 1):
+            raise ValueError(f"batch_cap must be an integer >= 1, got {batch_cap!r}")
+        self.batch_cap = batch_cap
         self.last_decision: Decision | None = None
 
     def decide(self, telemetry: Telemetry) -> Decision:
         self.last_decision = Decision(
-            thresholds=dict(self._thresholds), draft_lengths=dict(self._draft_lengths), reason="static"
+            thresholds=dict(self._thresholds), draft_lengths=dict(self._draft_lengths), batch_cap=self.batch_cap,
+            reason="static",
         )
         return self.last_decision
 
@@ -69,7 +75,9 @@ class StaticPolicy:
         self.last_decision = None
 
     def params(self) -> dict[str, Any]:
-        return {"thresholds": dict(self._thresholds), "draft_lengths": dict(self._draft_lengths)}
+        return {"thresholds": dict(self._thresholds), "draft_lengths": dict(self._draft_lengths),
+                "batch_cap": self.batch_cap}
 
     def __repr__(self) -> str:
-        return f"StaticPolicy(thresholds={self._thresholds!r}, draft_lengths={self._draft_lengths!r})"
+        return (f"StaticPolicy(thresholds={self._thresholds!r}, draft_lengths={self._draft_lengths!r}, "
+                f"batch_cap={self.batch_cap!r})")

@@ -837,6 +837,50 @@ def test_a_plain_segment_with_a_negative_intercept_still_plans_a_batch() -> None
     assert prediction["step_ms"] == pytest.approx(54.0, rel=0.1)  # three rows running: the table's 54 ms
 
 
+def _plain_only_policy(**kw: object) -> ModelPredictivePolicy:
+    """Plain decoding only, the concave measured table (51.6, 73.3, 91.0, 99.0, 102.6 ms at 1-5 rows), a 97 ms
+    TPOT and 4 s TTFT target, no learned margin: plain decoding meets the TPOT target at up to three rows."""
+    plain_only = OperatingModel((OperatingPoint(0.0, 0, 1.0, 0.0),), _concave_model().cost, "plain only")
+    slo = SLOSpec(tiers={"economy": TierSLO(tpot_ms=97.0, ttft_ms=4000.0, max_threshold=0.0)},
+                  default_tier="economy")
+    return ModelPredictivePolicy(slo, plain_only, initial_margin=1.0, **kw)  # type: ignore[arg-type]
+
+
+def _five_rows_light_load(policy: ModelPredictivePolicy, queue: int = 0, arrivals: int = 0) -> Decision:
+    tiers = window("economy", k=0)
+    for tick in range(1, 6):  # five rows running (a burst's cluster), a light rate
+        decision = policy.decide(load(5 + queue, queue=queue, arrivals=arrivals if tick > 1 else 1, tiers=tiers,
+                                      time_s=float(tick) * 10.0, window_s=10.0))
+    return decision
+
+
+def test_a_batch_cap_meets_the_tpot_target_at_the_rows_that_meet_it() -> None:
+    """Five rows running miss a 97 ms TPOT target at plain decoding (102.6 ms); with batch_cap the policy
+    plans plain decoding at three rows (91 ms), the rest queued, and emits the cap; without it, no cap."""
+    capped = _five_rows_light_load(_plain_only_policy(batch_cap=True))
+    assert capped.batch_cap == 3 and capped.draft_lengths["economy"] == 0
+    assert capped.reason.startswith("mpc meets") and "batch capped at 3" in capped.reason
+    free = _five_rows_light_load(_plain_only_policy())
+    assert free.batch_cap is None and free.reason.startswith("mpc best effort")
+
+
+def test_no_batch_cap_where_no_candidate_meets() -> None:
+    """A queue the capped rows cannot drain within the TTFT target (and a rate above what they serve): no
+    candidate meets, and throughput buys the most attainment, so no cap is emitted."""
+    decision = _five_rows_light_load(_plain_only_policy(batch_cap=True), queue=40, arrivals=20)
+    assert decision.reason.startswith("mpc best effort") and decision.batch_cap is None
+
+
+def test_the_rate_prior_reads_one_early_arrival_over_its_span() -> None:
+    """One arrival in a first one-second window: a rate of 1/s without the prior, 0.1/s read over 10 s."""
+    for prior, rate in ((0.0, 1.0), (10.0, 0.1)):
+        policy = _plain_only_policy(rate_prior_s=prior)
+        policy.decide(load(1, arrivals=1, tiers=window("economy", k=0), time_s=1.0, window_s=1.0))
+        assert policy.arrival_rate == pytest.approx(rate)
+    with pytest.raises(ValueError, match="rate_prior_s must be finite and >= 0, got -1"):
+        _plain_only_policy(rate_prior_s=-1.0)
+
+
 def test_steps_reported_by_kind_correct_each_kind_at_its_own_composition() -> None:
     """Plain steps (one replica) at 2x the model and speculative ones (another: 2 of 5 rows at k = 4) at 0.8x,
     in windows reported at k = 0 throughout (a long speculative step ends windows after a change): each fit

@@ -92,9 +92,19 @@ def test_guards_block_configures_the_wrappers() -> None:
     bare = make_policy({"policy": "static", "thresholds": 0.5, "guards": False}, make_slo())
     assert describe(bare) == {
         "name": "static",
-        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}, "draft_lengths": {}},
+        "params": {"thresholds": {"standard": 0.5, "economy": 0.5, "lossless": 0.0}, "draft_lengths": {},
+                   "batch_cap": None},
         "last_decision": None,
     }
+
+
+def test_static_batch_cap_reaches_the_decision_through_the_guards() -> None:
+    policy = make_policy({"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "batch_cap": 3}, make_slo())
+    decision = policy.decide(make_telemetry())
+    assert decision.batch_cap == 3 and decision.draft_lengths["economy"] == 0
+    assert describe(policy)["inner"]["inner"]["last_decision"]["batch_cap"] == 3
+    with pytest.raises(ValueError, match="batch_cap"):
+        make_policy({"policy": "static", "batch_cap": 0}, make_slo())
 
 
 @pytest.mark.parametrize(

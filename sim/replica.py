@@ -293,6 +293,9 @@ class Replica:
         self.id = replica_id
         self.latency = latency
         self.max_batch = max_batch
+        # The rows admitted at most: max_batch, or a policy's lower cap (Decision.batch_cap). A lowered cap
+        # preempts nobody: it holds back admissions until the batch is below it, as the live loop does.
+        self.batch_limit = max_batch
         self.max_queue = max_queue
         self.table = table
         self.bins = bins
@@ -334,7 +337,7 @@ class Replica:
         queue = self.queue
         running = self.running
         n_run = len(running)
-        n_new = min(len(queue), self.max_batch - n_run)
+        n_new = min(len(queue), self.batch_limit - n_run)
         if n_new <= 0:
             if n_run == 0:
                 self.segment = None
@@ -482,7 +485,7 @@ class Replica:
         end_s += now
 
         # Last iteration that can run: the batch empties, or (someone queued) a slot frees up.
-        stop = active_after < (self.max_batch if queue else 1)
+        stop = active_after < (self.batch_limit if queue else 1)
         j = int(stop.argmax())
         length = j + 1 if stop[j] else n_iter
 
@@ -582,9 +585,9 @@ class Replica:
         if j >= length:
             return None
         after = seg.active_after
-        if need_room and after[j] >= self.max_batch:
+        if need_room and after[j] >= self.batch_limit:
             # The first boundary with a free slot, if any before the segment ends.
-            j = next((i for i in range(j + 1, length) if after[i] < self.max_batch), length)
+            j = next((i for i in range(j + 1, length) if after[i] < self.batch_limit), length)
             if j == length:
                 return None
         if j + 1 == length:

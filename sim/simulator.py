@@ -127,6 +127,7 @@ class Simulator:
         self.thresholds = {name: tier.clamp(tier.safe_threshold) for name, tier in slo.tiers.items()}
         # Every tier starts at the initial k; a decision's draft_lengths move it per tier.
         self.draft_lengths = {name: initial_k for name in slo.tiers}
+        self.batch_limit = config.max_batch  # rows admitted per replica: max_batch or the policy's batch_cap
         n_t = len(self.tier_names)
         self.settings = DecodeSettings(
             k_by_tier=np.zeros(n_t, dtype=np.int64),
@@ -196,6 +197,7 @@ class Simulator:
             ready_s=now + startup_s,
             horizon_iters=self.config.horizon_iters,
         )
+        r.batch_limit = self.batch_limit
         self.replicas.append(r)
         self._routable_cache = None
         return r
@@ -370,11 +372,23 @@ class Simulator:
         # None: the policy does not steer replicas (or its fail-safe tripped); the load-based desire
         # applies, as Serve's default policy does behind the live hook.
         self._policy_replicas = decision.replicas
+        out: list[Event] = []
+        limit = self.config.max_batch if decision.batch_cap is None else min(decision.batch_cap, self.config.max_batch)
+        if limit != self.batch_limit:
+            raised = limit > self.batch_limit
+            self.batch_limit = limit
+            for r in self.replicas:
+                r.batch_limit = limit
+                # A raised cap admits the queue at the next step boundary (a lowered one waits for the
+                # batch to shrink below it, which the drawn segment already stops at only if full).
+                if raised and r.queue and r.segment is not None:
+                    moved = r.truncate(now, need_room=True)
+                    if moved is not None:
+                        out.append(SegmentEnd(moved, r.id, r.version))
         if not changed_tiers:
-            return []
+            return out
         self._refresh_settings()
         # A drawn segment depends on the (T, k) of the tiers in its batch only.
-        out: list[Event] = []
         for r in self.replicas:
             seg = r.segment
             if seg is not None and not changed_tiers.isdisjoint(seg.tiers):

@@ -5,8 +5,11 @@ loop it would stall ``stats()``, health checks and threshold pushes for the whol
 thread, the event loop stays free and the engine is touched by exactly one thread (no locking inside
 the engine). The thread talks to the rest of the replica through:
 
-* a command queue (add / abort / set tier thresholds / set k per tier / stop), drained between
-  iterations — so requests join and leave the running batch between steps. k is per row: a request is
+* a command queue (add / abort / set tier thresholds / set k per tier / set the batch cap / stop), drained
+  between iterations — so requests join and leave the running batch between steps. The batch cap
+  (``Decision.batch_cap``) is kept here, not in the engine, so it works the same for every engine: a
+  request beyond it waits in this loop's queue (it counts as queued) and is handed to the engine when
+  the rows it holds fall below the cap; a lowered cap preempts nobody. k is per row: a request is
   admitted with its tier's k and a change of a tier's k reaches that tier's running rows at the next
   step (``FSDEngine.set_draft_length(k, request_id)``), so one tier can decode plainly (k = 0) while
   another drafts in the same batch;
@@ -201,6 +204,8 @@ class BatchingLoop:
         self._jobs: dict[str, _Job] = {}  # engine-thread only
         self._tier_thresholds: dict[str, float] = dict(thresholds)  # engine-thread view
         self._tier_draft_lengths: dict[str, int] = _check_draft_lengths(draft_lengths or {})  # engine-thread view
+        self._batch_cap: int | None = None  # engine-thread view; None: the engine's own max_batch_size
+        self._held: deque[_Job] = deque()  # engine-thread only: submitted, waiting for a row under the cap
         self._lock = threading.Lock()
         self._counters = ReplicaCounters()
         self._records: deque[RequestRecord] = deque()
@@ -255,6 +260,13 @@ class BatchingLoop:
         """k per tier (>= 0; 0 = plain target decoding): new requests of a tier are admitted with it and
         the tier's running rows switch at the next step. ValueError naming a bad k (nothing changes)."""
         self._commands.put(("draft_lengths", _check_draft_lengths(draft_lengths)))
+
+    def set_batch_cap(self, cap: int | None) -> None:
+        """The most requests the engine holds at once (None: no cap beyond its own max_batch_size).
+        ValueError naming a bad cap (nothing changes)."""
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1):
+            raise ValueError(f"batch_cap must be an integer >= 1 or None, got {cap!r}")
+        self._commands.put(("batch_cap", None if cap is None else int(cap)))
 
     def cancel_all(self, message: str) -> None:
         """Fail every request in flight with ``message`` (an explicit error, not a cut stream)."""
@@ -349,6 +361,7 @@ class BatchingLoop:
                 if self._stopped.is_set():
                     break
                 self._expire(time.monotonic())
+                self._admit_held()
                 if self._engine.has_unfinished():
                     try:
                         self._step_once()
@@ -388,7 +401,13 @@ class BatchingLoop:
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
-            self._add(arg)
+            self._jobs[arg.request_id] = arg
+            if self._batch_cap is None and not self._held:
+                self._add(arg)
+            else:
+                self._held.append(arg)  # admitted by _admit_held, in arrival order
+        elif kind == "batch_cap":
+            self._batch_cap = arg
         elif kind == "abort":
             job = self._jobs.get(arg)
             if job is not None:
@@ -416,11 +435,23 @@ class BatchingLoop:
         elif kind == "stop":
             self._stopped.set()
 
+    def _admit_held(self) -> None:
+        """Hand held requests to the engine while it holds fewer than the cap (all of them without one)."""
+        if not self._held:
+            return
+        added = sum(1 for j in self._jobs.values() if j.added)
+        while self._held and (self._batch_cap is None or added < self._batch_cap):
+            job = self._held.popleft()
+            if self._jobs.get(job.request_id) is job and not job.added:  # else aborted or expired while held
+                self._add(job)
+                added += job.added
+        with self._lock:
+            self._running = added
+
     def _add(self, job: _Job) -> None:
         if not job.pinned:
             job.threshold = self._tier_thresholds.get(job.tier, 0.0)
         job.draft_length = self._tier_draft_lengths.get(job.tier)
-        self._jobs[job.request_id] = job
         try:
             self._engine.add_request(job.request_id, job.prompt_ids, job.params, threshold=job.threshold,
                                      draft_length=job.draft_length)

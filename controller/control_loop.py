@@ -168,7 +168,8 @@ def _decision_dict(decision: Decision | None) -> dict[str, Any] | None:
     if decision is None:
         return None
     return {"thresholds": dict(decision.thresholds), "draft_length": decision.draft_length,
-            "draft_lengths": _decision_draft_lengths(decision), "replicas": decision.replicas,
+            "draft_lengths": _decision_draft_lengths(decision), "batch_cap": decision.batch_cap,
+            "replicas": decision.replicas,
             "reason": decision.reason}
 
 
@@ -242,6 +243,7 @@ class FSDController:
             self._shadow, self._shadow_spec = self._build(self._cfg.control.shadow_policy, self._slo)
         self._thresholds = apply_decision(self._slo, {}, self._cfg.replica.initial_thresholds)
         self._draft_lengths: dict[str, int] = dict.fromkeys(self._slo.tiers, self._cfg.model.num_draft_tokens)
+        self._batch_cap: int | None = None  # the active decision's batch cap (None: none)
         self._version = 0
         self._decided_unix = time.time()
         # A restarted controller counts versions from 0 again; the epoch tells replicas it is a new one.
@@ -306,7 +308,7 @@ class FSDController:
             return None
         return ThresholdPush(epoch=self._epoch, version=self._version, thresholds=dict(self._thresholds),
                              draft_lengths=dict(self._draft_lengths), slo=self._slo,
-                             decided_unix=self._decided_unix, stopping=self._stopping)
+                             decided_unix=self._decided_unix, stopping=self._stopping, batch_cap=self._batch_cap)
 
     def begin_shutdown(self) -> bool:
         """The service is stopping: every reply from now on tells replicas to fail what they run with an
@@ -414,6 +416,7 @@ class FSDController:
             "time_s": window.telemetry.time_s,
             "thresholds": dict(self._thresholds),
             "draft_lengths": dict(self._draft_lengths),
+            "batch_cap": self._batch_cap,
             "version": self._version,
             "decision": _decision_dict(decision),
             "shadow_decision": _decision_dict(shadow),
@@ -430,10 +433,11 @@ class FSDController:
             if default is not None:
                 lengths = dict.fromkeys(self._slo.tiers, default)
             lengths.update({n: k for n, k in asked.items() if n in self._slo.tiers and k >= 0})
-        if new != self._thresholds or lengths != self._draft_lengths:
+        cap = getattr(decision, "batch_cap", None)
+        if new != self._thresholds or lengths != self._draft_lengths or cap != self._batch_cap:
             self._version += 1
             self._decided_unix = time.time()
-        self._thresholds, self._draft_lengths = new, lengths
+        self._thresholds, self._draft_lengths, self._batch_cap = new, lengths, cap
 
     # ---- admin -----------------------------------------------------------------------------------
 
@@ -537,6 +541,7 @@ class FSDController:
         return {
             "thresholds": dict(self._thresholds),
             "draft_lengths": dict(self._draft_lengths),
+            "batch_cap": self._batch_cap,
             "version": self._version,
             "epoch": self._epoch,
             "resumed": _jsonable(self._resumed),

@@ -158,6 +158,8 @@ class ThresholdPush:
     decided_unix: float
     #: The service is stopping: fail what is in flight with an explicit error and refuse new requests.
     stopping: bool = False
+    #: The most requests a replica decodes at once (``Decision.batch_cap``); None: no cap.
+    batch_cap: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +186,7 @@ class ReplicaState:
     failsafe_events: int
     last_update_age_s: float | None
     stopping: bool = False
+    batch_cap: int | None = None  # the cap in force (None: none; always None in fail-safe)
 
 
 @dataclass(frozen=True, slots=True)

@@ -183,6 +183,7 @@ class FSDReplica:
         self._slo: SLOSpec = self._cfg.slo
         self._draft_length = self._cfg.model.num_draft_tokens  # the engine default k (configured)
         self._draft_lengths = dict.fromkeys(self._slo.tiers, self._draft_length)  # k per tier, as pushed
+        self._batch_cap: int | None = None  # Decision.batch_cap as pushed (None: none, and in fail-safe)
         # T the controller asked for; until its first push, the configured initial T (default: safe T).
         self._controlled = apply_decision(self._slo, {}, self._cfg.replica.initial_thresholds)
         self._version = -1
@@ -265,6 +266,7 @@ class FSDReplica:
                     self._replica_id, self._stale_for(time.monotonic()), stale_after, safe_thresholds(self._slo),
                 )
                 self._loop.set_tier_thresholds(self._effective())
+                self._set_batch_cap(None)  # the configured batch, as before any controller
 
     def apply_push(self, push: protocol.ThresholdPush) -> bool:
         """Apply the controller's decision; True when it was applied. Idempotent: the same version again
@@ -285,6 +287,7 @@ class FSDReplica:
         self._version = push.version
         self._set_draft_lengths(push.draft_lengths)
         self._loop.set_tier_thresholds(self._effective())
+        self._set_batch_cap(push.batch_cap)
         if push.stopping and not self._stopping:
             self._stopping = True
             logger.warning("FSD replica %s: the service is stopping; failing in-flight requests", self._replica_id)
@@ -293,6 +296,12 @@ class FSDReplica:
             self._push_latencies_ms.append(max(0.0, (time.time() - push.decided_unix) * 1e3))
             del self._push_latencies_ms[:-1000]
         return True
+
+    def _set_batch_cap(self, cap: int | None) -> None:
+        """Cap the requests the engine holds at once (the batching loop holds the rest back as queued)."""
+        if cap != self._batch_cap:
+            self._loop.set_batch_cap(cap)  # validates first: a bad cap changes nothing
+            self._batch_cap = cap
 
     def _set_draft_lengths(self, draft_lengths: Mapping[str, int]) -> None:
         """Apply k per tier, per row: the engine thread admits each request with its tier's k and moves
@@ -352,6 +361,7 @@ class FSDReplica:
             failsafe_events=self._failsafe_events,
             last_update_age_s=None if self._last_update is None else now - self._last_update,
             stopping=self._stopping,
+            batch_cap=self._batch_cap,
         )
 
     def build_report(self) -> protocol.ReplicaReport:

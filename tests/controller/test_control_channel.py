@@ -192,6 +192,52 @@ def test_pushed_k_per_tier_runs_per_row_and_comes_back_in_the_window() -> None:
     asyncio.run(scenario())
 
 
+def test_a_decisions_batch_cap_reaches_the_replica_and_fail_safe_lifts_it() -> None:
+    """A static policy with batch_cap 1: the push carries it, the replica decodes one request at a time
+    (a second concurrent request waits, counted as queued), and the replica's own fail-safe (no controller
+    update for stale_after_s) drops the cap with the thresholds."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        controller = FSDController(_config(policy={"policy": "static", "thresholds": 0.0, "batch_cap": 1,
+                                                   "guards": False}), start_loop=False, clock=clock)
+        config = _config()
+        config["replica"]["stale_after_s"] = 5.0
+        replica = FSDReplica(config, _sender([controller]))
+        try:
+            await _tick(clock, controller, replica)
+            await replica.push_report()
+            assert controller.status()["batch_cap"] == 1 and replica.stats()["batch_cap"] == 1
+            done: list[str] = []
+
+            async def run(name: str) -> None:
+                chunks = [c async for c in replica.generate({"prompt": name, "max_tokens": 24, "tier": "economy",
+                                                              "ignore_eos": True, "seed": 1})]
+                assert isinstance(chunks[-1], EndChunk) and chunks[-1].finish_reason == "length", chunks[-1]
+                done.append(name)
+
+            tasks = [asyncio.create_task(run(name)) for name in ("a", "b")]
+            seen_queued = False
+            while len(done) < 2:
+                stats = replica.stats()
+                assert stats["running"] <= 1, stats
+                seen_queued |= stats["queue_depth"] == 1
+                await asyncio.sleep(0.005)
+            await asyncio.gather(*tasks)
+            assert seen_queued, "the second request waited behind the cap"
+            await replica.push_report()  # the controller's reply refreshes the replica's fail-safe clock
+            assert replica.stats()["batch_cap"] == 1 and not replica.stats()["failsafe"]
+            for _ in range(150):  # no update for stale_after_s: the watchdog trips the fail-safe
+                if replica.stats()["failsafe"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert replica.stats()["failsafe"] and replica.stats()["batch_cap"] is None
+        finally:
+            replica.__del__()
+
+    asyncio.run(scenario())
+
+
 def test_bad_user_config_is_rejected_and_the_replica_keeps_serving() -> None:
     async def scenario() -> None:
         replica = FSDReplica(_config(), _sender([FSDController(_config(), start_loop=False)]))

@@ -442,3 +442,56 @@ def test_batching_loop_aborts_a_request_past_its_deadline_started_or_not(engine:
         assert snap["counters"]["aborted"] == 2 and snap["counters"]["completions"] == 1 and snap["in_flight"] == 0
     finally:
         loop.stop()
+
+
+def test_batching_loop_batch_cap_holds_requests_back_and_lifting_it_admits_them(engine: Any) -> None:
+    """Cap 1 over an engine of two rows: requests decode one at a time (a request's events never
+    interleave with another's), the ones held count as queued, a held request can be aborted before it
+    ever ran; lifting the cap lets the engine take two again."""
+    import time
+
+    from decoder.engine import SamplingParams
+
+    loop = BatchingLoop(engine, {"standard": 0.0})
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def sink_for(rid: str, q: queue.SimpleQueue[TokenEvent]) -> Any:
+        def sink(event: TokenEvent) -> None:
+            if event.new_token_ids:
+                with lock:
+                    order.append(rid)
+            q.put(event)
+        return sink
+
+    with pytest.raises(ValueError, match="batch_cap must be an integer >= 1 or None, got 0"):
+        loop.set_batch_cap(0)
+    try:
+        loop.set_batch_cap(1)
+        params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=2, eos_token_ids=())
+        queues = {rid: queue.SimpleQueue[TokenEvent]() for rid in ("a", "b", "held")}
+        for rid, q in queues.items():
+            loop.submit(rid, [257, 104], params, "standard", None, sink_for(rid, q))
+        deadline = time.monotonic() + 30
+        while loop.snapshot(drain_records=False)["running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snap = loop.snapshot(drain_records=False)
+        assert snap["running"] == 1 and snap["queue_depth"] == 2
+        loop.abort("held")
+        events = {rid: _drain(q) for rid, q in queues.items()}
+        assert events["held"][-1].finish_reason == "abort" and "held" not in order
+        assert events["a"][-1].finish_reason == events["b"][-1].finish_reason == "length"
+        first_b = order.index("b")
+        assert set(order[:first_b]) == {"a"} and set(order[first_b:]) == {"b"}, "cap 1: one request at a time"
+        # Lifted: two requests in the engine at once again (their tokens interleave).
+        order.clear()
+        loop.set_batch_cap(None)
+        queues = {rid: queue.SimpleQueue[TokenEvent]() for rid in ("c", "d")}
+        for rid, q in queues.items():
+            loop.submit(rid, [257, 105], params, "standard", None, sink_for(rid, q))
+        for q in queues.values():
+            _drain(q)
+        first_d = order.index("d")
+        assert "c" in order[first_d:], "without the cap the engine's two rows decode together"
+    finally:
+        loop.stop()

@@ -20,7 +20,14 @@ writes ``--out``)::
         --schedules '{"trigger:2:10": {"policy": "trigger", "rows": 2, "hold_s": 10, "high": [4, 6]}}'
 
 ``--schedules`` replays ``benchmarks/load_sim.py``'s schedules (hindsight, trigger) on the rounds of ``slo``:
-bounds beside the configurations that ran, left out of the criterion.
+bounds beside the configurations that ran, left out of the criterion. ``--config NAME=JSON`` (repeatable)
+replays a policy spec that did not run on the same rounds, as a candidate of the criterion (a static spec is
+a static point); ``--ttft-ms`` adds a TTFT target to the report's tier (the simulator's attainment counts it;
+the real figures stay as the report measured them)::
+
+    .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s33_t97_s26.json --ttft-ms 4000 \
+        --config 'cap3={"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "batch_cap": 3, "guards": false}' \
+        --config 'slo_cap={"policy": "slo", "batch_cap": true, "rate_prior_s": 10}'
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ def round_requests(records: list[dict[str, Any]], slo: SLOSpec, tier: str) -> Re
 
 def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Profile,
                   seeds: list[int], slo_policy: dict[str, Any] | str | None = None,
-                  schedules: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                  schedules: dict[str, dict[str, Any]] | None = None,
+                  extra: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per configuration of ``report``: its real figures and the simulator's on the same requests
     (``slo_policy``: the spec to simulate for the configuration ``slo`` instead of the one that ran).
     ``schedules`` (name → ``benchmarks/load_sim.py`` schedule spec, e.g. ``{"policy": "trigger", "rows": 2,
@@ -105,6 +113,11 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
     for name, spec in (schedules or {}).items():
         if name in names or name in real or not schedule_kind(spec):
             raise ValueError(f"schedule {name!r}: needs a new name and a hindsight or trigger spec, got {spec!r}")
+        jobs.append((name, spec, [r for r in runs if r["name"] == host]))
+    for name, spec in (extra or {}).items():
+        if name in names or name in real or name in (schedules or {}) or not isinstance(spec, dict) \
+                or schedule_kind(spec):
+            raise ValueError(f"config {name!r}: needs a new name and a policy spec (JSON object), got {spec!r}")
         jobs.append((name, spec, [r for r in runs if r["name"] == host]))
     out = []
     for name, spec, name_runs in jobs:
@@ -136,8 +149,9 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
 
 def side(configs: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     """The configurations in ``benchmarks.load.criterion``'s shape, with ``key``'s ("real" or "sim") figures
-    (the schedules left out: they are bounds, not candidates)."""
-    return [{"name": c["name"], "spec": c["spec"], **c[key]} for c in configs if not schedule_kind(c["spec"])]
+    (the schedules left out: they are bounds, not candidates; on the real side, what did not run)."""
+    return [{"name": c["name"], "spec": c["spec"], **c[key]} for c in configs
+            if not schedule_kind(c["spec"]) and (key != "real" or c["real"]["slo_attainment"] is not None)]
 
 
 def main() -> int:
@@ -149,6 +163,10 @@ def main() -> int:
     ap.add_argument("--schedules", default=None,
                     help='JSON name -> benchmarks/load_sim.py schedule spec replayed on the slo rounds, e.g. '
                          '\'{"trigger:2:40": {"policy": "trigger", "rows": 2, "hold_s": 40, "high": [4, 6]}}\'')
+    ap.add_argument("--config", dest="configs", action="append", default=[], metavar="NAME=JSON",
+                    help="a policy spec that did not run, replayed on the same rounds as a candidate (repeatable)")
+    ap.add_argument("--ttft-ms", type=float, default=None,
+                    help="add this TTFT target to the report's tier (the simulator's attainment counts it)")
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
     ap.add_argument("--out", default="results/load_replay.json")
     args = ap.parse_args()
@@ -167,8 +185,25 @@ def main() -> int:
         raise SystemExit(f"--schedules is not JSON: {exc}") from None
     if schedules is not None and not isinstance(schedules, dict):
         raise SystemExit(f"--schedules must be a JSON object name -> spec, got {schedules!r}")
+    extra: dict[str, dict[str, Any]] = {}
+    for item in args.configs:
+        name, sep, raw = item.partition("=")
+        try:
+            spec = json.loads(raw) if sep else None
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--config {name}: not JSON: {exc}") from None
+        if not name or not isinstance(spec, dict):
+            raise SystemExit(f"--config needs NAME=JSON-object, got {item!r}")
+        extra[name] = spec
+    if args.ttft_ms is not None:
+        if not (args.ttft_ms > 0 and np.isfinite(args.ttft_ms)):
+            raise SystemExit(f"--ttft-ms must be a positive number, got {args.ttft_ms}")
+        try:
+            report["slo"]["tiers"][report["tier"]]["ttft_ms"] = args.ttft_ms
+        except (KeyError, TypeError) as exc:
+            raise SystemExit(f"cannot read the report's tier SLO: {exc}") from None
     try:
-        configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy, schedules)
+        configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy, schedules, extra)
     except (KeyError, ValueError) as exc:
         raise SystemExit(f"cannot replay {args.report}: {exc}") from None
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()

@@ -140,3 +140,34 @@ def test_schedules_replay_on_the_rounds_without_real_figures_and_stay_out_of_the
     assert [c["name"] for c in side(list(got.values()), "sim")] == ["plain", "static:4:6"]  # bounds, not candidates
     with pytest.raises(ValueError, match="'plain'"):
         replay_report(report, profile, profile, seeds=[0], schedules={"plain": schedules["trigger:1"]})
+
+
+def test_extra_configs_replay_as_candidates_and_ttft_counts(tmp_path: Path) -> None:
+    """A batch-capped static point that did not run is replayed on the same rounds and judged as a static point
+    (sim side only: it has no real figures); with --ttft-ms a cap of one row that queues a burst for longer
+    than the target loses the requests that waited, which without the target it did not."""
+    report = light_report()
+    for run in report["runs"]:  # a burst: the first four requests of each round arrive together
+        for rec in run["records"][:4]:
+            rec["arrival_s"] = run["records"][0]["arrival_s"]
+    cap1 = {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "batch_cap": 1, "guards": False}
+    profile = Profile.load(DEFAULT_PROFILE_PATH)
+    got = {c["name"]: c for c in replay_report(report, profile, profile, seeds=[0], extra={"cap1": cap1})}
+    assert got["cap1"]["real"]["slo_attainment"] is None and got["cap1"]["sim"]["slo_attainment"] == 1.0
+    assert [c["name"] for c in side(list(got.values()), "real")] == ["plain", "static:4:6"]
+    assert [c["name"] for c in side(list(got.values()), "sim")] == ["plain", "static:4:6", "cap1"]
+    with pytest.raises(ValueError, match="'plain'"):
+        replay_report(report, profile, profile, seeds=[0], extra={"plain": cap1})
+    src, out = tmp_path / "load.json", tmp_path / "replay.json"
+    src.write_text(json.dumps(report))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(src), "--seeds", "0",
+                    "--ttft-ms", "2000", "--config", "cap1=" + json.dumps(cap1), "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    replay = {c["name"]: c for c in json.loads(out.read_text())["configs"]}
+    # Four 48-token requests one after another: each after the first waits at least one request's decode
+    # (48 steps of >= 51.6 ms, 2.5 s) past the 2 s target; the two alone meet it.
+    assert replay["cap1"]["sim"]["slo_attainment"] == pytest.approx(3 / 6)
+    assert replay["plain"]["sim"]["slo_attainment"] == 1.0
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(src), "--config",
+                          "cap1={", "--out", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "--config cap1: not JSON" in bad.stderr and "Traceback" not in bad.stderr

@@ -586,7 +586,9 @@ class BatchingLoop:
         ))
 
     def _fail_running(self, message: str) -> None:
-        for job in list(self._jobs.values()):
+        """Fail the requests in the engine (the failed step's batch); those held back by the cap never ran
+        in it and stay queued."""
+        for job in [j for j in self._jobs.values() if j.added]:
             self._finish(job, "error", error=message)
 
     def _fail_all(self, message: str) -> None:

@@ -495,3 +495,36 @@ def test_batching_loop_batch_cap_holds_requests_back_and_lifting_it_admits_them(
         assert "c" in order[first_d:], "without the cap the engine's two rows decode together"
     finally:
         loop.stop()
+
+
+class _FailsFirstStep:
+    """The real engine, whose first step raises (a transient fault)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.failed = engine, False
+
+    def step(self) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("transient fault")
+        return self.engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def test_a_failed_step_fails_the_engines_rows_not_the_requests_held_by_the_cap(engine: Any) -> None:
+    from decoder.engine import SamplingParams
+
+    loop = BatchingLoop(_FailsFirstStep(engine), {"standard": 0.0})
+    try:
+        loop.set_batch_cap(1)
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4, eos_token_ids=())
+        first, held = _collect(loop, "first", [257, 104], params), _collect(loop, "held", [257, 105], params)
+        failed = _drain(first)[-1]
+        assert failed.error is not None and "transient fault" in failed.error
+        done = _drain(held)
+        assert done[-1].finish_reason == "length" and done[-1].error is None
+        assert sum(len(e.new_token_ids) for e in done) == 8
+    finally:
+        loop.stop()

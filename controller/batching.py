@@ -25,6 +25,7 @@ produced them returns. Per finished request one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
@@ -539,6 +540,10 @@ class BatchingLoop:
     ) -> None:
         if self._jobs.pop(job.request_id, None) is None:
             return
+        if not job.added and self._held:
+            # A held request aborted or expired leaves the held queue now, not when it reaches the front.
+            with contextlib.suppress(ValueError):
+                self._held.remove(job)
         now = time.monotonic() if at is None else at
         text: str | None = None
         if job.added:

@@ -25,9 +25,10 @@ class Decision:
 
     thresholds: Mapping[str, float] = field(default_factory=dict)
     draft_lengths: Mapping[str, int] = field(default_factory=dict)
-    batch_cap: int | None = None
     replicas: int | None = None
     reason: str = ""
+    # Keyword-only: added after the others, so Decision(thresholds, draft_lengths, replicas, reason) keeps its meaning.
+    batch_cap: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for tier, t in self.thresholds.items():

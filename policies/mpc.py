@@ -470,7 +470,8 @@ class ModelPredictivePolicy:
       those rows serve; a planned batch above the cap is judged at the cap, its queue drained at the capped
       rows' rate (TTFT). The cap is emitted only where every target is predicted met.
     * ``rate_prior_s`` — the arrival rate is read over at least this many seconds from the start (0: from
-      the first window on).
+      the first window on). Keep it below the rate's memory (``window_s / (1 − rate_decay)``, 33 s at 1 s
+      windows): the decayed time sum never grows past that, and above it the rate would read low throughout.
     """
 
     name = "mpc"

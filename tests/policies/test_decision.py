@@ -29,3 +29,8 @@ def test_bad_values_are_refused_by_name(kwargs: dict, message: str) -> None:
 def test_batch_cap_defaults_to_none_and_keeps_its_value() -> None:
     assert Decision().batch_cap is None
     assert Decision(batch_cap=3).batch_cap == 3
+
+
+def test_batch_cap_is_keyword_only_so_positional_callers_keep_their_meaning() -> None:
+    decision = Decision({"economy": 1.0}, {"economy": 4}, 3, "why")
+    assert decision.replicas == 3 and decision.reason == "why" and decision.batch_cap is None

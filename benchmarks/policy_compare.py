@@ -282,9 +282,9 @@ def criterion(agg: dict[str, dict[str, Any]], slo: SLOSpec, policy: str) -> dict
             "static_points_meeting": sorted(meeting)}
 
 
-def markdown(results: list[dict[str, Any]], command: str) -> str:
+def markdown(results: list[dict[str, Any]], command: str, policies: list[str] | None = None) -> str:
     lines = [f"Command: `{command}`", ""]
-    policies = list(ADAPTIVE)
+    policies = policies if policies is not None else list(ADAPTIVE)
     held = {p: sum(1 for r in results if r["criterion"][p]["held"]) for p in policies}
     lines.append("Cases held: " + ", ".join(f"**{p}** {held[p]} / {len(results)}" for p in policies))
     lines.append("")
@@ -319,9 +319,22 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default="results/policy_compare.json")
     ap.add_argument("--md", default="results/policy_compare.md")
+    ap.add_argument("--policy", dest="policies", action="append", default=[], metavar="NAME=JSON",
+                    help="another adaptive policy judged beside the shipped ones (repeatable), e.g. "
+                         "'slo_cap={\"policy\": \"slo\", \"batch_cap\": true}'")
     args = ap.parse_args()
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
+    adaptive = dict(ADAPTIVE)
+    for item in args.policies:
+        name, sep, raw = item.partition("=")
+        try:
+            spec = json.loads(raw) if sep else None
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--policy {name}: not JSON: {exc}") from None
+        if not name or not isinstance(spec, dict) or name in adaptive:
+            raise SystemExit(f"--policy needs a new NAME=JSON-object, got {item!r}")
+        adaptive[name] = json.dumps(spec)
 
     cases = tuning_cases(args.duration) if args.tuning else heldout_cases(args.duration, args.heldout_set)
     if args.cases:
@@ -329,7 +342,7 @@ def main() -> int:
         cases = [c for c in cases if any(k in c.name for k in keys)]
     jobs = []
     for case in cases:
-        specs = static_specs(case.slo()) | ADAPTIVE
+        specs = static_specs(case.slo()) | adaptive
         for seed in range(args.seed_offset, args.seed_offset + args.seeds):
             for label, spec in specs.items():
                 jobs.append((case, seed, label, spec))
@@ -347,10 +360,10 @@ def main() -> int:
             "case": case.name, "profile": Path(case.profile).name, "replicas": case.replicas,
             "slo_scale": case.slo_scale, "tpot_scale": case.tpot_scale, "workload": case.workload,
             "requests": float(np.mean([r["requests"] for r in case_rows])),
-            "aggregate": agg, "criterion": {p: criterion(agg, case.slo(), p) for p in ADAPTIVE},
+            "aggregate": agg, "criterion": {p: criterion(agg, case.slo(), p) for p in adaptive},
         })
     command = "benchmarks/policy_compare.py " + " ".join(sys.argv[1:])
-    table = markdown(results, command.strip())
+    table = markdown(results, command.strip(), list(adaptive))
     doc = {"benchmark": "policy_compare", "mode": "tuning" if args.tuning else f"held-out set {args.heldout_set}",
            "seeds": list(range(args.seed_offset, args.seed_offset + args.seeds)),
            "duration_s": args.duration, "attribution": ATTRIBUTION, "results": results, "runs": rows,

@@ -41,3 +41,29 @@ def test_matched_sets_scale_only_the_calibrated_cases(which: str) -> None:
     # Load scales with the fleet in both profiles.
     by_fleet = {c.replicas: c.workload["arrivals"]["sample_fraction"] for c in cal}
     assert by_fleet[4] == pytest.approx(2 * by_fleet[2])
+
+
+def test_an_extra_policy_is_judged_beside_the_shipped_ones_and_a_bad_one_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = str(root / "benchmarks" / "policy_compare.py")
+    bad = subprocess.run([sys.executable, script, "--policy", "x={", "--out", "", "--md", ""], capture_output=True,
+                         text=True, cwd=root)
+    assert bad.returncode != 0 and "--policy x: not JSON" in bad.stderr and "Traceback" not in bad.stderr
+    taken = subprocess.run([sys.executable, script, "--policy", "slo (mpc)={}", "--out", "", "--md", ""],
+                           capture_output=True, text=True, cwd=root)
+    assert taken.returncode != 0 and "needs a new NAME=JSON-object" in taken.stderr
+    if not (TRACES / f"azure_llm_2023_{HELDOUT_SETS['E'][0]}.csv").exists():
+        pytest.skip(f"the Azure trace is not in {TRACES} (../shared/traces beside the checkout)")
+    out = tmp_path / "pc.json"
+    capped = {"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "batch_cap": 2}
+    subprocess.run([sys.executable, script, "--set", "E", "--seeds", "1", "--duration", "30", "--jobs", "1",
+                    "--cases", "code@5min calibrated 2r", "--policy", "capped=" + json.dumps(capped),
+                    "--out", str(out), "--md", str(tmp_path / "pc.md")], check=True, capture_output=True, cwd=root)
+    result = json.loads(out.read_text())["results"][0]
+    assert set(result["criterion"]) == {"slo (mpc)", "pid-live (old default)", "mpc, default guard", "capped"}
+    assert "capped" in (tmp_path / "pc.md").read_text()

@@ -49,6 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.named_specs import parse_named_specs  # noqa: E402
 from benchmarks.sse_client import timed_stream  # noqa: E402
 from benchmarks.stats import ci95  # noqa: E402
 from policies.slo import TierOutcome, TierSLO, meets_objective, within_budget  # noqa: E402
@@ -136,24 +137,8 @@ BUILT_IN_CONFIGS = ("static0", "plain", "static0k4", "ceiling", "slo", "live")
 
 def parse_alternatives(items: list[str]) -> dict[str, dict[str, Any]]:
     """``--policy NAME=JSON`` items as {name: spec}. A name must not shadow a built-in configuration."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        name = name.strip()
-        if not sep or not name or "," in name:
-            raise ValueError(f"--policy {item!r}: expected NAME=JSON (a name without commas)")
-        if name in BUILT_IN_CONFIGS or name.startswith("static:"):
-            raise ValueError(f"--policy {item!r}: {name!r} is a built-in configuration")
-        if name in out:
-            raise ValueError(f"--policy {item!r}: {name!r} given twice")
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--policy {item!r}: not JSON ({e})") from None
-        if not isinstance(spec, dict) or "policy" not in spec:
-            raise ValueError(f"--policy {item!r}: expected a JSON object with a \"policy\" key")
-        out[name] = spec
-    return out
+    return parse_named_specs(items, "--policy", lambda name: "a built-in configuration"
+                             if name in BUILT_IN_CONFIGS or name.startswith("static:") else None)
 
 
 def policy_spec(name: str, args: argparse.Namespace) -> dict[str, Any] | None:

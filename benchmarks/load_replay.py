@@ -51,6 +51,7 @@ from benchmarks.load_sim import (  # noqa: E402
     schedule_policy,
     seeds_arg,
 )
+from benchmarks.named_specs import parse_named_specs  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from policies.base import Policy  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
@@ -185,16 +186,10 @@ def main() -> int:
         raise SystemExit(f"--schedules is not JSON: {exc}") from None
     if schedules is not None and not isinstance(schedules, dict):
         raise SystemExit(f"--schedules must be a JSON object name -> spec, got {schedules!r}")
-    extra: dict[str, dict[str, Any]] = {}
-    for item in args.configs:
-        name, sep, raw = item.partition("=")
-        try:
-            spec = json.loads(raw) if sep else None
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"--config {name}: not JSON: {exc}") from None
-        if not name or not isinstance(spec, dict):
-            raise SystemExit(f"--config needs NAME=JSON-object, got {item!r}")
-        extra[name] = spec
+    try:
+        extra = parse_named_specs(args.configs, "--config")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.ttft_ms is not None:
         if not (args.ttft_ms > 0 and np.isfinite(args.ttft_ms)):
             raise SystemExit(f"--ttft-ms must be a positive number, got {args.ttft_ms}")

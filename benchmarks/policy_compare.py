@@ -59,6 +59,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.named_specs import parse_named_specs  # noqa: E402
 from benchmarks.stats import ci95  # noqa: E402
 from policies.slo import SLOSpec, TierSLO  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
@@ -325,16 +326,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
-    adaptive = dict(ADAPTIVE)
-    for item in args.policies:
-        name, sep, raw = item.partition("=")
-        try:
-            spec = json.loads(raw) if sep else None
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"--policy {name}: not JSON: {exc}") from None
-        if not name or not isinstance(spec, dict) or name in adaptive:
-            raise SystemExit(f"--policy needs a new NAME=JSON-object, got {item!r}")
-        adaptive[name] = json.dumps(spec)
+    try:
+        extra = parse_named_specs(args.policies, "--policy", lambda name: "a shipped policy's name"
+                                  if name in ADAPTIVE else None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    adaptive = ADAPTIVE | {name: json.dumps(spec) for name, spec in extra.items()}
 
     cases = tuning_cases(args.duration) if args.tuning else heldout_cases(args.duration, args.heldout_set)
     if args.cases:

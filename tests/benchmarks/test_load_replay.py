@@ -170,4 +170,4 @@ def test_extra_configs_replay_as_candidates_and_ttft_counts(tmp_path: Path) -> N
     assert replay["plain"]["sim"]["slo_attainment"] == 1.0
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(src), "--config",
                           "cap1={", "--out", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode != 0 and "--config cap1: not JSON" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode != 0 and "--config 'cap1={': not JSON" in bad.stderr and "Traceback" not in bad.stderr

@@ -53,10 +53,10 @@ def test_an_extra_policy_is_judged_beside_the_shipped_ones_and_a_bad_one_is_refu
     script = str(root / "benchmarks" / "policy_compare.py")
     bad = subprocess.run([sys.executable, script, "--policy", "x={", "--out", "", "--md", ""], capture_output=True,
                          text=True, cwd=root)
-    assert bad.returncode != 0 and "--policy x: not JSON" in bad.stderr and "Traceback" not in bad.stderr
-    taken = subprocess.run([sys.executable, script, "--policy", "slo (mpc)={}", "--out", "", "--md", ""],
-                           capture_output=True, text=True, cwd=root)
-    assert taken.returncode != 0 and "needs a new NAME=JSON-object" in taken.stderr
+    assert bad.returncode != 0 and "--policy 'x={': not JSON" in bad.stderr and "Traceback" not in bad.stderr
+    taken = subprocess.run([sys.executable, script, "--policy", 'slo (mpc)={"policy": "slo"}', "--out", "", "--md",
+                            ""], capture_output=True, text=True, cwd=root)
+    assert taken.returncode != 0 and "'slo (mpc)' is a shipped policy's name" in taken.stderr
     if not (TRACES / f"azure_llm_2023_{HELDOUT_SETS['E'][0]}.csv").exists():
         pytest.skip(f"the Azure trace is not in {TRACES} (../shared/traces beside the checkout)")
     out = tmp_path / "pc.json"

@@ -1275,7 +1275,7 @@ class ModelPredictivePolicy:
                 if capped is not None:
                     # A cap is held wherever it is stable, also where the planned batch is below it: a cluster of
                     # arrivals fills the batch within a control window, faster than a cap set in reaction.
-                    use, cap_rows, step_c, tokens_c, mean_tokens_c, tpot_c, rate_c, wait_c = capped
+                    use, cap_rows, step_c, tokens_c, mean_tokens_c, tpot_c, wait_c = capped
                     binding = use & (cap_rows < batch)
                     batch = np.where(binding, cap_rows, batch)
                     step = np.where(binding, step_c, step)
@@ -1433,7 +1433,7 @@ class ModelPredictivePolicy:
                 queue: float) -> tuple[np.ndarray, ...] | None:
         """Every candidate at a batch cap (``batch_cap``): the most rows at which it meets every TPOT target
         (margins and the switch margin in), where its load fits ``cap_utilisation`` of what those rows serve.
-        Returns (use, rows, step, tokens, mean tokens, TPOT, request rate, wait ms) per candidate, or None
+        Returns (use, rows, step, tokens, mean tokens, TPOT, wait ms) per candidate, or None
         where no tier has a TPOT target.
 
         Why: a request's TPOT is set by the rows it decodes beside, and a wait in the queue costs only TTFT.
@@ -1467,7 +1467,7 @@ class ModelPredictivePolicy:
         use = (rows_ok >= 1) & (offered < self.cap_utilisation * rows_ok)
         rate = rows_ok / service_s  # requests per second the capped rows serve
         wait_s = np.where(use, queue / np.where(use, rate, 1.0), np.inf)
-        return use, rows_ok, step, tokens, mean_tokens, tpot, rate, 1000.0 * wait_s
+        return use, rows_ok, step, tokens, mean_tokens, tpot, 1000.0 * wait_s
 
     # ------------------------------------------------------------------ replicas
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import math
 import os
@@ -128,7 +129,18 @@ async def run_config(url: str, name: str, times: list[float], args: argparse.Nam
         records = await asyncio.gather(*(one_request(client, t_start, at, i, args) for i, at in enumerate(times)))
         done.set()
         await sampler
-    return {"name": name, "spec": spec, "records": list(records), "t_samples": samples}
+        history = None
+        if getattr(args, "ticks", None):  # the controller's windows and decisions since this run's policy took over
+            st = (await client.get("/v1/fsd/status", params={"history": 10_000})).json()
+            history = since_policy_event(st["history"])
+    return {"name": name, "spec": spec, "records": list(records), "t_samples": samples, "history": history}
+
+
+def since_policy_event(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``history`` from its last policy-change entry on (the PUT of this run's configuration), so that
+    ``fsd sim decisions`` replays the policy object that ran from where it started; all of it if none."""
+    starts = [i for i, entry in enumerate(history) if (entry.get("event") or {}).get("kind") == "policy"]
+    return history[starts[-1]:] if starts else history
 
 
 #: Configuration names load.py defines itself (besides ``static:T[:k]``); a --policy name must differ.
@@ -381,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="control.profile: the profile whose operating model the SLO policy uses (default: the pair's shipped one)")
     p.add_argument("--out", default="results/load.json")
     p.add_argument("--png", default=None, help="default: --out with .png")
+    p.add_argument("--ticks", default=None,
+                   help="also write every run's control history (the controller's windows and decisions, from the "
+                        "PUT of its policy on) here, gzip-compressed if it ends in .gz: `fsd sim decisions --history` "
+                        "replays it through a policy")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -432,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = parse_config({
-        "model": {"pair": args.pair}, "slo": slo, "control": {"interval_s": args.interval, "profile": args.profile},
+        "model": {"pair": args.pair}, "slo": slo, "control": {"interval_s": args.interval, "profile": args.profile,
+                                                        "history": 2000},
         "serve": {"num_replicas": args.replicas, "replica_num_cpus": args.replica_cpus,
                   "max_ongoing_requests": 64, "max_queued_requests": 256},
         "replica": {"max_queued": 64, "stale_after_s": max(10.0, 5 * args.interval)},
@@ -485,6 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
+    if args.ticks:
+        ticks = Path(args.ticks)
+        ticks.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"report": str(out), "command": report["command"],
+                           "runs": [{k: r[k] for k in ("name", "round", "history")} for r in runs]}).encode()
+        ticks.write_bytes(gzip.compress(text) if ticks.suffix == ".gz" else text)
     png = Path(args.png) if args.png else out.with_suffix(".png")
     plot([{**r, "name": f"{r['name']} #{r['round'] + 1}"} if args.rounds > 1 else r for r in runs],
          args.tier, tpot_target, args.phase_s, rates, png)

@@ -47,11 +47,12 @@ from controller.metrics import MetricsState
 from controller.protocol import ReplicaReport, ReplicaState, ReportReply, ThresholdPush
 from controller.telemetry_agg import TelemetryAggregator, Window
 from policies.base import Policy
-from policies.decision import Decision
+from policies.decision import Decision, decision_draft_lengths, decision_to_json
 from policies.mpc import OperatingModel
 from policies.registry import DEFAULT_POLICY_SPEC
 from policies.slo import SLOSpec
-from policies.tiers import apply_decision, fraction_from_threshold
+from policies.telemetry import to_json
+from policies.tiers import apply_decision, seed_policy
 
 logger = logging.getLogger("ray.serve")
 
@@ -164,44 +165,29 @@ def _app_name() -> str | None:
         return None
 
 
-def _decision_dict(decision: Decision | None) -> dict[str, Any] | None:
-    if decision is None:
-        return None
-    return {"thresholds": dict(decision.thresholds), "draft_length": decision.draft_length,
-            "draft_lengths": _decision_draft_lengths(decision), "batch_cap": decision.batch_cap,
-            "replicas": decision.replicas,
-            "reason": decision.reason}
-
-
-def _decision_draft_lengths(decision: Decision) -> dict[str, int] | None:
-    """k per tier the decision asks for: ``Decision.draft_lengths`` where the policies have it, else the
-    single ``draft_length`` for every tier, else None (keep k)."""
-    per_tier = getattr(decision, "draft_lengths", None)
-    if per_tier:
-        return {str(name): int(k) for name, k in per_tier.items()}
-    return None if decision.draft_length is None else {"*": int(decision.draft_length)}
-
-
-def seed_policy(policy: Policy, slo: SLOSpec, thresholds: Mapping[str, float]) -> list[str]:
-    """Start a fresh policy's state at the T the replicas run (bumpless restart); the tiers seeded.
-
-    Walks the wrapper chain (``.inner``). A PID-style policy exposes ``controllers`` (tier → PID):
-    each PID's output and integral restart at the fraction of the tier's range the tier runs at.
-    Wrappers need nothing: with no memory of their own they read the running T from the telemetry.
-    Policies without such state (static, feed-forward, bandits) are left as they are.
-    """
-    seeded: list[str] = []
-    node: Any = policy
-    while node is not None:
-        controllers = getattr(node, "controllers", None)
-        if isinstance(controllers, Mapping):
-            for name, pid in controllers.items():
-                if name in thresholds and name in slo.tiers and hasattr(pid, "initial_output"):
-                    pid.initial_output = fraction_from_threshold(slo.tiers[name], float(thresholds[name]))
-                    pid.reset()
-                    seeded.append(str(name))
-        node = getattr(node, "inner", None)
-    return seeded
+def policy_event_record(kind: str, time_s: float, thresholds: Mapping[str, float], draft_lengths: Mapping[str, int],
+                        version: int, policy: Mapping[str, Any], previous: Mapping[str, Any],
+                        telemetry: Any, slo: Mapping[str, Any],
+                        replica_bounds: tuple[int, int] | None = None,
+                        operating_model: OperatingModel | None = None) -> dict[str, Any]:
+    """The ``/v1/fsd/status`` history entry where a fresh policy object takes over (tick entries' keys, plus
+    ``event`` and what the policy was built with: the SLO, the replica bounds, the operating model, None for
+    the policy's default): ``kind`` ``"resume"`` (the controller's first policy, seeded at the replicas' T),
+    ``"policy"`` (PUT /v1/fsd/policy), ``"promote"`` (the shadow promoted) or ``"slo"`` (the policy rebuilt
+    against a new SLO)."""
+    return {
+        "time_s": time_s,
+        "thresholds": dict(thresholds),
+        "draft_lengths": dict(draft_lengths),
+        "version": version,
+        "decision": None,
+        "shadow_decision": None,
+        "telemetry": telemetry,
+        "slo": dict(slo),
+        "replica_bounds": list(replica_bounds) if replica_bounds is not None else None,
+        "operating_model": operating_model.to_dict() if operating_model is not None else None,
+        "event": {"kind": kind, "policy": dict(policy), "previous_policy": dict(previous)},
+    }
 
 
 def held_thresholds(states: Sequence[ReplicaState]) -> ReplicaState | None:
@@ -364,6 +350,7 @@ class FSDController:
                          "version": source.version, "failsafe": source.failsafe,
                          "thresholds": dict(self._thresholds)}
         seeded = seed_policy(self._policy, self._slo, self._thresholds)
+        self._record_policy_event("resume", self._policy_spec, self._policy_spec)
         # The first window after resuming spans one interval, not the controller's whole start-up: a
         # policy's rate limits then allow one interval's move from the resumed T.
         self._last_tick = max(self._last_tick, now - self._interval)
@@ -418,16 +405,16 @@ class FSDController:
             "draft_lengths": dict(self._draft_lengths),
             "batch_cap": self._batch_cap,
             "version": self._version,
-            "decision": _decision_dict(decision),
-            "shadow_decision": _decision_dict(shadow),
-            "telemetry": _jsonable(window.telemetry),
+            "decision": decision_to_json(decision),
+            "shadow_decision": decision_to_json(shadow),
+            "telemetry": to_json(window.telemetry),
         })
         return window
 
     def _apply(self, decision: Decision) -> None:
         new = apply_decision(self._slo, self._thresholds, decision.thresholds)
         lengths = dict(self._draft_lengths)
-        asked = _decision_draft_lengths(decision)
+        asked = decision_draft_lengths(decision)
         if asked is not None:
             default = asked.pop("*", None)
             if default is not None:
@@ -466,6 +453,7 @@ class FSDController:
             seed_policy(self._policy, new_slo, self._thresholds)
             self._version += 1
             self._decided_unix = time.time()
+            self._record_policy_event("slo", spec, spec)
         logger.info("SLO replaced (version %d): %s", self._version, new_slo.model_dump(mode="json"))
         return self.status(history=0)
 
@@ -483,26 +471,34 @@ class FSDController:
                 self._shadow, self._shadow_spec = policy, normalised
             else:
                 seed_policy(policy, self._slo, self._thresholds)
-                self._policy, self._policy_spec = policy, normalised
+                previous, self._policy, self._policy_spec = self._policy_spec, policy, normalised
+                self._record_policy_event("policy", normalised, previous)
         logger.info("%s policy replaced: %s", "shadow" if shadow else "active", normalised)
         return self.status(history=0)
 
     async def promote_shadow(self) -> dict[str, Any]:
         """Make the shadow policy active (rebuilt from its spec against the current SLO, validated like any
         policy change); the shadow slot empties; the change is recorded in the status history."""
-        from controller.rollout import promotion_record
-
         if self._shadow_spec is None:
             raise ValueError("promote: no shadow policy is set (PUT /v1/fsd/policy?shadow=true first)")
         policy, spec = self._build(self._shadow_spec, self._slo)
         async with self._lock:
+            seed_policy(policy, self._slo, self._thresholds)
             previous, self._policy, self._policy_spec = self._policy_spec, policy, spec
             self._shadow, self._shadow_spec, self._last_shadow = None, None, None
-            telemetry = _jsonable(self._last_window.telemetry) if self._last_window is not None else None
-            self._history.append(promotion_record(self._clock() - self._t0, self._thresholds, self._version,
-                                                  spec, previous, telemetry))
+            self._record_policy_event("promote", spec, previous)
         logger.info("shadow policy promoted to active: %s (was %s)", spec, previous)
         return self.status(history=1)
+
+    def _record_policy_event(self, kind: str, spec: Mapping[str, Any], previous: Mapping[str, Any]) -> None:
+        """A history entry where a fresh policy object takes over (``kind``: a new policy, a promotion, or the
+        policy rebuilt against a new SLO): the ticks after it are what that object decided, from the T and k
+        it was seeded at, so a recorded history replays through the same spec (sim.decision_replay)."""
+        telemetry = to_json(self._last_window.telemetry) if self._last_window is not None else None
+        self._history.append(policy_event_record(kind, self._now(), self._thresholds, self._draft_lengths,
+                                                 self._version, spec, previous, telemetry,
+                                                 self._slo.model_dump(mode="json"), self._replica_bounds,
+                                                 self._operating_model))
 
     def record_rejections(self, count: int = 1, tier: str | None = None) -> None:
         """Requests the ingress refused (503) before any replica saw them: SLO misses of ``tier``."""
@@ -560,8 +556,8 @@ class FSDController:
                 "publisher": self._replica_publisher.stats() if self._replica_publisher is not None else None,
             },
             "shadow_policy": describe_policy(self._shadow, self._shadow_spec),
-            "last_decision": _decision_dict(self._last_decision),
-            "last_shadow_decision": _decision_dict(self._last_shadow),
+            "last_decision": decision_to_json(self._last_decision),
+            "last_shadow_decision": decision_to_json(self._last_shadow),
             "telemetry": _jsonable(window.telemetry) if window is not None else None,
             "replicas": [_jsonable({**dataclasses.asdict(state), "telemetry_age_s": age})
                          for age, state in self._aggregator.live_states(now)],

@@ -1,4 +1,4 @@
-"""Rollout: the live service's config as simulator inputs, the shadow estimate, the promote record.
+"""Rollout: the live service's config as simulator inputs, and the shadow estimate.
 
 - :func:`sim_inputs` maps an :class:`FSDConfig` (SLO, live policy, fleet) to what the simulator needs,
   so ``fsd sim compare --trace rec.csv --config fsd.yaml`` replays a recording on the cluster that
@@ -8,7 +8,7 @@
   window's recorded arrivals through the simulator with the shadow policy and with the live one. It runs
   in a worker thread when ``/v1/fsd/status`` is read, at most every ``recording.shadow_every_s``
   (cached in between): the control loop never waits for it.
-- :func:`promotion_record` is the ``/v1/fsd/status`` history entry a promotion leaves.
+- A promotion leaves an entry in the ``/v1/fsd/status`` history (``controller.control_loop.policy_event_record``).
 
 The simulator starts each replay cold (empty queues, a fresh policy) and times it with the sim profile
 (``recording.profile``, default the shipped one calibrated on the default pair): an estimate, not a
@@ -203,18 +203,3 @@ class ShadowEstimator:
         requests = requests_from_trace(trace_from_records(rows), slo)
         result = replay(requests, slo, profile, inputs.config, policies, baseline=LIVE)
         return shadow_report(result, status, window_s, len(rows), profile)
-
-
-def promotion_record(time_s: float, thresholds: Mapping[str, float], version: int,
-                     promoted: Mapping[str, Any], previous: Mapping[str, Any],
-                     telemetry: Any = None) -> dict[str, Any]:
-    """The ``/v1/fsd/status`` history entry of a promotion (tick entries' keys, plus ``event``)."""
-    return {
-        "time_s": time_s,
-        "thresholds": dict(thresholds),
-        "version": version,
-        "decision": None,
-        "shadow_decision": None,
-        "telemetry": telemetry,
-        "event": {"kind": "promote", "policy": dict(promoted), "previous_policy": dict(previous)},
-    }

@@ -4,11 +4,19 @@
     fsd sim --trace ../shared/traces/azure_llm_2023_conv.csv --time-scale 1 --sample 0.1 --duration 600
     fsd sim compare --policies static:0,static:1.0,pid,bandit,feedforward --workload sim/workloads/step.yaml
     fsd sim compare --trace recording.csv --config fsd.yaml --policies pid,slo   # replay a recording
+    fsd sim decisions --history status.json --policy '{"policy": "slo", "budget_margin": 0.2}'
 
 With ``--config`` (the service's fsd YAML) and a recorded ``--trace`` (``fsd trace fetch``), the replay
 takes the SLO, the live policy and the fleet from the config, replays the recorded arrivals, token counts
 and tiers exactly, and lists the live policy first as the baseline, with the SLO verdict per tier
 (attainment at least the tier's percentile, mean distortion within its budget). See docs/rollout.md.
+
+``fsd sim decisions`` replays a recorded control history (a saved ``GET /v1/fsd/status?history=300``, or a
+``benchmarks/load.py --ticks`` file) through a policy, open loop: tick by tick, what it would have decided on
+the windows the live controller saw (``--policy``; default the spec that ran, which must decide exactly as it
+did live). The policy's operating model is the one the history recorded where that policy took over;
+``--profile`` (with ``--div``) replaces it with a profile's.
+See docs/rollout.md.
 
 Defaults: the shipped calibrated profile (sim/profiles/smollm2-135m.json), SLOSpec.default(), the shipped
 steady workload, 2 replicas of max batch 8. Same seed ⇒ identical results.
@@ -32,8 +40,9 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("action", nargs="?", choices=("run", "compare"), default="run",
-                   help="'run' (default) one policy, or 'compare' several on the same workload and seed")
+    p.add_argument("action", nargs="?", choices=("run", "compare", "decisions"), default="run",
+                   help="'run' (default) one policy, 'compare' several on the same workload and seed, or "
+                        "'decisions': replay a recorded control history through a policy (--history)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", help="workload YAML (default: sim/workloads/steady.yaml)")
     src.add_argument("--trace", help="Azure-format trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
@@ -57,6 +66,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plot", help="write a PNG here (run: time series; compare: attainment vs distortion)")
     p.add_argument("--records", help="run: write per-request columns (.npz) here")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no table")
+    p.add_argument("--history", help="decisions: a saved /v1/fsd/status answer (with history) or a "
+                                     "benchmarks/load.py --ticks file (.json or .json.gz)")
+    p.add_argument("--run", action="append", help="decisions, with a --ticks file: NAME:ROUND of the run(s) to "
+                                                  "replay (repeatable; default every run)")
+    p.add_argument("--div", help="decisions: the divergence of the profile the controller used (default: the "
+                                 "profile's default)")
     p.set_defaults(func=handle)
 
 
@@ -97,6 +112,10 @@ def handle(args: argparse.Namespace) -> int:
     from sim.report import plot, plot_compare, result_json, write_json, write_records
     from sim.simulator import Simulator
 
+    if args.action == "decisions":
+        return handle_decisions(args)
+    if args.history:
+        raise ValueError("--history is for 'fsd sim decisions'")
     if args.config:
         return handle_replay(args)
     args.policy = args.policy or "slo"
@@ -212,4 +231,49 @@ def handle_replay(args: argparse.Namespace) -> int:
         from sim.report import plot_compare
 
         plot_compare(rows, args.plot, title=f"recorded trace {Path(args.trace).name} (seed {args.seed})")
+    return 0
+
+
+def handle_decisions(args: argparse.Namespace) -> int:
+    """``fsd sim decisions``: a recorded control history through a policy, open loop (sim.decision_replay)."""
+    from sim.decision_replay import (
+        build_policy,
+        last_policy_span,
+        load_histories,
+        profile_model,
+        replay,
+        summary,
+    )
+    from sim.inputs import load_slo, policy_spec
+    from sim.profile import Profile
+
+    if not args.history:
+        raise ValueError("decisions: give --history FILE (a saved /v1/fsd/status answer or a load.py --ticks file)")
+    histories = load_histories(args.history)
+    labels = args.run or list(histories)
+    unknown = [label for label in labels if label not in histories]
+    if unknown:
+        raise ValueError(f"--run: no run {unknown} in {args.history}; runs: {list(histories)}")
+    model = profile_model(Profile.load(args.profile), args.div) if args.profile else None
+    out: dict[str, Any] = {"history": args.history, "policy": args.policy or "the recorded spec",
+                           "profile": args.profile or "the recorded operating model", "runs": {}}
+    per_tick: dict[str, Any] = {}
+    for label in labels:
+        span = last_policy_span(histories[label])
+        spec = policy_spec(args.policy) if args.policy else span.spec
+        if spec is None:
+            raise ValueError(f"{label}: the history does not reach back to where its policy took over; give --policy")
+        slo = load_slo(args.slo) if args.slo else (span.slo or load_slo(None))
+        used = model or span.operating_model
+        policy = build_policy(spec, slo, used, span.replica_bounds)
+        ticks = replay(span, policy, slo)
+        out["runs"][label] = {"recorded_spec": span.spec, "from_policy_start": span.event is not None,
+                              "operating_model": used.source if used is not None else "the policy's default",
+                              **summary(ticks)}
+        per_tick[label] = [{"time_s": t.time_s, "same": t.same, "recorded": t.recorded, "replayed": t.replayed}
+                           for t in ticks]
+    print(json.dumps(out, indent=2, default=str))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({**out, "ticks": per_tick}, indent=2, default=str) + "\n")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +50,21 @@ class Decision:
         when no tier asks for one). Per-row k (``draft_lengths``) supersedes it."""
         ks = [k for k in self.draft_lengths.values() if k > 0]
         return max(ks) if ks else None
+
+
+def decision_draft_lengths(decision: Decision) -> dict[str, int] | None:
+    """k per tier the decision asks for: ``Decision.draft_lengths`` where the policies have it, else the
+    single ``draft_length`` for every tier (``"*"``), else None (keep k)."""
+    per_tier = getattr(decision, "draft_lengths", None)
+    if per_tier:
+        return {str(name): int(k) for name, k in per_tier.items()}
+    return None if decision.draft_length is None else {"*": int(decision.draft_length)}
+
+
+def decision_to_json(decision: Decision | None) -> dict[str, Any] | None:
+    """The decision as the controller's status and history show it (what a replay compares against)."""
+    if decision is None:
+        return None
+    return {"thresholds": dict(decision.thresholds), "draft_length": decision.draft_length,
+            "draft_lengths": decision_draft_lengths(decision), "batch_cap": getattr(decision, "batch_cap", None),
+            "replicas": decision.replicas, "reason": decision.reason}

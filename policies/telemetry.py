@@ -6,9 +6,11 @@ The controller (live) and the simulator (offline) both aggregate their counters 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -155,3 +157,82 @@ class Telemetry:
     @property
     def arrival_rate(self) -> float:
         return self.arrivals / self.window_s
+
+
+# ---------------------------------------------------------------- JSON form
+# The controller keeps each window in its status history as JSON (NaN as null, tuples as lists); a recorded
+# history then replays through a policy offline (sim.decision_replay). Python's JSON floats round-trip
+# exactly, so a window read back equals the one the policy saw (an infinite value would come back NaN;
+# no field holds one).
+
+
+_W = TypeVar("_W", TierWindow, Telemetry)
+
+
+def to_json(value: object) -> object:
+    """JSON-safe copy of a window (or any of its parts): dataclasses and mappings to dicts, tuples to lists,
+    NaN and infinities to None."""
+    if isinstance(value, LatencySummary | TierWindow | StepTotals | Telemetry):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _fields(data: object, cls: type, what: str) -> dict[str, Any]:
+    """``data``'s fields for ``cls``: unknown names refused, null back to NaN where the field is a float."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what}: expected an object, got {type(data).__name__}")
+    known = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{what}: unknown field(s) {unknown}; known: {list(known)}")
+    return {k: math.nan if v is None and known[k] == "float" else v for k, v in data.items()}
+
+
+def latency_from_json(data: object, what: str = "latency") -> LatencySummary:
+    return LatencySummary(**_fields(data, LatencySummary, what))
+
+
+def step_totals_from_json(data: object, what: str = "steps") -> StepTotals | None:
+    if data is None:
+        return None
+    return StepTotals(**_fields(data, StepTotals, what))
+
+
+def tier_window_from_json(data: object, what: str = "tier") -> TierWindow:
+    d = _fields(data, TierWindow, what)
+    for metric in ("ttft", "tpot", "e2e"):
+        if metric in d:
+            d[metric] = latency_from_json(d[metric], f"{what}.{metric}")
+    return _build(TierWindow, d, what)
+
+
+def telemetry_from_json(data: object) -> Telemetry:
+    """The window :func:`to_json` wrote (a controller's status history entry's ``telemetry``). ValueError
+    naming the field that does not fit."""
+    d = _fields(data, Telemetry, "telemetry")
+    for metric in ("ttft", "tpot", "e2e"):
+        if metric in d:
+            d[metric] = latency_from_json(d[metric], f"telemetry.{metric}")
+    for name in ("plain_steps", "speculative_steps"):
+        if name in d:
+            d[name] = step_totals_from_json(d[name], f"telemetry.{name}")
+    if "queue_depth_per_replica" in d:
+        d["queue_depth_per_replica"] = tuple(d["queue_depth_per_replica"])
+    tiers = d.get("tiers", {})
+    if not isinstance(tiers, Mapping):
+        raise ValueError(f"telemetry.tiers: expected an object, got {type(tiers).__name__}")
+    d["tiers"] = {str(name): tier_window_from_json(w, f"telemetry.tiers.{name}") for name, w in tiers.items()}
+    return _build(Telemetry, d, "telemetry")
+
+
+def _build(cls: type[_W], fields: dict[str, Any], what: str) -> _W:
+    try:
+        return cls(**fields)
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"{what}: {exc}") from None

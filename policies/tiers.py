@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from policies.slo import SLOSpec, TierSLO
 
@@ -123,3 +124,25 @@ def request_threshold(
     if not low <= threshold <= high:
         raise ValueError(f"threshold {threshold} outside tier {tier_name!r} bounds [{low}, {high}]")
     return threshold
+
+
+def seed_policy(policy: object, slo: SLOSpec, thresholds: Mapping[str, float]) -> list[str]:
+    """Start a fresh policy's state at the T the replicas run (bumpless restart); the tiers seeded.
+
+    Walks the wrapper chain (``.inner``). A PID-style policy exposes ``controllers`` (tier → PID):
+    each PID's output and integral restart at the fraction of the tier's range the tier runs at.
+    Wrappers need nothing: with no memory of their own they read the running T from the telemetry.
+    Policies without such state (static, feed-forward, bandits) are left as they are.
+    """
+    seeded: list[str] = []
+    node: Any = policy
+    while node is not None:
+        controllers = getattr(node, "controllers", None)
+        if isinstance(controllers, Mapping):
+            for name, pid in controllers.items():
+                if name in thresholds and name in slo.tiers and hasattr(pid, "initial_output"):
+                    pid.initial_output = fraction_from_threshold(slo.tiers[name], float(thresholds[name]))
+                    pid.reset()
+                    seeded.append(str(name))
+        node = getattr(node, "inner", None)
+    return seeded

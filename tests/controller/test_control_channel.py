@@ -8,6 +8,7 @@ explicit step, so each assertion names the tick it is about.
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 from collections.abc import Awaitable, Callable
@@ -386,3 +387,37 @@ def test_steps_are_counted_by_kind_from_their_rows_for_the_vllm_step_shape(k: in
     assert c.iterations == 3
     assert c.speculative_steps == (3 if k else 0)
     assert (c.speculative_rows, c.speculative_draft_forwards, c.speculative_verify_tokens) == ((3, 9, 9) if k else (0, 0, 0))
+
+
+def test_the_status_history_replays_through_the_policy_that_ran_tick_for_tick() -> None:
+    """A policy PUT mid-run leaves an event in the status history; fed the recorded windows (strict JSON, read
+    back), a fresh object of the same spec decides at every tick what the live one decided, reason included
+    (sim.decision_replay); another spec, on the same windows, does not."""
+    from sim.decision_replay import build_policy, last_policy_span, replay
+
+    async def scenario() -> list[dict[str, Any]]:
+        clock = Clock()
+        controller = FSDController(_config(policy={"policy": "static", "thresholds": {"economy": ECONOMY_T}}),
+                                   start_loop=False, clock=clock)
+        replica = FSDReplica(_config(), _sender([controller]))
+        try:
+            await _tick(clock, controller, replica)
+            await controller.set_policy({"policy": "slo"})
+            for i in range(6):
+                await asyncio.gather(_complete(replica, 1 + i % 2, "economy"), _complete(replica, 1, "standard"))
+                await _tick(clock, controller, replica)
+            return controller.status(history=10_000)["history"]
+        finally:
+            replica.__del__()
+
+    history = json.loads(json.dumps(asyncio.run(scenario()), allow_nan=False))
+    span = last_policy_span(history)
+    assert span.event is not None and span.event["event"]["kind"] == "policy" and len(span.ticks) == 6
+    assert span.slo is not None and span.spec == {"policy": "slo"}
+    ticks = replay(span, build_policy(span.spec, span.slo, span.operating_model, span.replica_bounds), span.slo)
+    assert [t.same for t in ticks] == [True] * 6
+    assert all(t.recorded is not None and t.replayed is not None and t.replayed["reason"] == t.recorded["reason"]
+               for t in ticks)
+    assert {t.recorded["reason"].split(":")[0] for t in ticks if t.recorded} <= {"mpc meets", "mpc best effort"}
+    plain = build_policy({"policy": "static", "thresholds": 0.0, "draft_lengths": 0, "guards": False}, span.slo)
+    assert not all(t.same for t in replay(span, plain, span.slo))

@@ -1,0 +1,125 @@
+"""A control history replayed through a policy (sim.decision_replay): the windows a policy decided on, as JSON,
+decide the same again; a history file reads back; bad input is refused by name."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from policies.decision import decision_to_json
+from policies.slo import SLOSpec
+from policies.telemetry import Telemetry, telemetry_from_json, to_json
+from sim.decision_replay import build_policy, last_policy_span, load_histories, profile_model, replay, summary
+from sim.workload import Workload
+from tests.sim.conftest import handmade_profile, run_sim
+from tests.sim.test_mpc_closed_loop import MIXED
+
+
+class Recorder:
+    """Wraps a policy; keeps each window and decision as the controller's history keeps them."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entries: list[dict[str, Any]] = []
+
+    def decide(self, telemetry: Telemetry) -> Any:
+        decision = self.inner.decide(telemetry)
+        self.entries.append({"time_s": telemetry.time_s, "telemetry": to_json(telemetry),
+                             "decision": decision_to_json(decision)})
+        return decision
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def _history(spec: dict[str, Any], slo: SLOSpec) -> list[dict[str, Any]]:
+    profile = handmade_profile()
+    recorder = Recorder(build_policy(spec, slo, profile_model(profile)))
+    run_sim(Workload.from_dict({**MIXED, "duration_s": 120.0}), recorder, slo=slo, profile=profile, replicas=2, seed=3)
+    event = {"time_s": 0.0, "thresholds": {}, "decision": None, "telemetry": None, "slo": slo.model_dump(mode="json"),
+             "operating_model": profile_model(profile).to_dict(),
+             "event": {"kind": "policy", "policy": spec, "previous_policy": spec}}
+    return json.loads(json.dumps([{"event": {"kind": "resume"}}, event, *recorder.entries], allow_nan=False))
+
+
+def test_simulated_windows_round_trip_and_replay_to_the_same_decisions() -> None:
+    """Three tiers, step totals by kind, NaN percentiles of empty windows: each window reads back to the JSON it
+    came from, and a fresh object of the spec that ran decides what it decided at every tick."""
+    slo = SLOSpec.default()
+    spec = {"policy": "slo"}
+    history = _history(spec, slo)
+    span = last_policy_span(history)
+    assert span.spec == spec and span.slo == slo and len(span.ticks) >= 100
+    for entry in span.ticks:
+        assert json.loads(json.dumps(to_json(telemetry_from_json(entry["telemetry"])))) == entry["telemetry"]
+    ticks = replay(span, build_policy(span.spec, slo, profile_model(handmade_profile())), slo)
+    out = summary(ticks)
+    assert out["differ"] == 0 and out["same"] == len(span.ticks), out["first_differences"]
+    assert len({json.dumps(t.recorded) for t in ticks}) > 3  # it moved (T and k), so equality means something
+    # Another model (the default pair's, not the profile the run used) decides otherwise on the same windows.
+    assert summary(replay(span, build_policy(spec, slo, None), slo))["differ"] > 0
+
+
+def test_history_files_read_back_by_label(tmp_path: Path) -> None:
+    history = [{"time_s": 1.0, "telemetry": to_json(Telemetry(time_s=1.0, window_s=1.0)), "decision": None}]
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"history": history}))
+    assert load_histories(status) == {"status": history}
+    ticks = tmp_path / "ticks.json.gz"
+    ticks.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 1, "history": history}]}).encode()))
+    assert load_histories(ticks) == {"slo:1": history}
+    span = last_policy_span(history)
+    assert span.event is None and span.spec is None and len(span.ticks) == 1
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("[1, 2]", "expected a /v1/fsd/status answer"),
+    ("{not json", "history file"),
+])
+def test_a_bad_history_file_is_refused_by_name(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "h.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_histories(path)
+
+
+def test_a_window_with_an_unknown_or_missing_field_is_refused_by_name() -> None:
+    good = to_json(Telemetry(time_s=1.0, window_s=1.0))
+    assert isinstance(good, dict)
+    with pytest.raises(ValueError, match=r"telemetry: unknown field\(s\) \['bogus'\]"):
+        telemetry_from_json({**good, "bogus": 1})
+    with pytest.raises(ValueError, match="telemetry.tiers.economy: unknown field"):
+        telemetry_from_json({**good, "tiers": {"economy": {"threshold": 1.0, "p95": 3}}})
+    with pytest.raises(ValueError, match="telemetry: .*window_s"):
+        telemetry_from_json({k: v for k, v in good.items() if k != "window_s"})
+
+
+def test_fsd_sim_decisions_replays_a_ticks_file_and_names_a_missing_run(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI on a benchmarks/load.py --ticks file: the spec that ran replays equal on the operating model the
+    history recorded (the default) and on the same profile given; another spec (--policy) or another model
+    (--profile) does not; an unknown --run is an error naming the runs there."""
+    from fsd_cli.main import main
+    from sim.profile import DEFAULT_PROFILE_PATH, HANDMADE_2THREADS_PROFILE_PATH
+
+    slo = SLOSpec.default()
+    path = tmp_path / "ticks.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"runs": [
+        {"name": "slo", "round": 0, "history": _history({"policy": "slo"}, slo)}]}).encode()))
+    base = ["sim", "decisions", "--history", str(path)]
+    assert main(base + ["--json", str(tmp_path / "out.json")]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"]["slo:0"]
+    assert run["differ"] == 0 and run["same"] >= 100 and run["from_policy_start"]
+    assert len(json.loads((tmp_path / "out.json").read_text())["ticks"]["slo:0"]) == run["ticks"]
+    assert main(base + ["--profile", str(HANDMADE_2THREADS_PROFILE_PATH)]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["slo:0"]["differ"] == 0
+    assert main(base + ["--profile", str(DEFAULT_PROFILE_PATH)]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["slo:0"]["differ"] > 0
+    assert main(base + ["--policy", "static:0"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["slo:0"]["differ"] > 0
+    assert main(base + ["--run", "plain:0"]) == 2
+    assert "no run ['plain:0']" in capsys.readouterr().err

@@ -507,6 +507,7 @@ class ModelPredictivePolicy:
         batch_cap: bool = False,
         cap_utilisation: float = 0.85,
         rate_prior_s: float = 0.0,
+        rate_rise_decay: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -559,6 +560,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(rate_prior_s) and rate_prior_s >= 0):
             raise ValueError(f"rate_prior_s must be finite and >= 0, got {rate_prior_s}")
         self.rate_prior_s = rate_prior_s
+        if not (0 <= rate_rise_decay < 1):
+            raise ValueError(f"rate_rise_decay must be in [0, 1), got {rate_rise_decay}")
+        self.rate_rise_decay = rate_rise_decay
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -709,6 +713,7 @@ class ModelPredictivePolicy:
         self.total_arrival_rate = math.nan  # whole fleet, req/s
         self.mean_output_tokens = math.nan
         self._arrivals_sum = self._time_sum = self._tokens_sum = self._completions_sum = 0.0
+        self._arrivals_rise_sum = self._time_rise_sum = 0.0
         # Measured prefill wall time and the admissions it served, as decayed sums (Telemetry.prefill_ms).
         self._prefill_sum = self._prefill_requests = 0.0
         self._queue_seen_s = -math.inf  # the last window that closed with a queue
@@ -832,6 +837,14 @@ class ModelPredictivePolicy:
         # With rate_prior_s, over the first that many seconds the rate is read over that span (the arrivals so
         # far, none before): one early arrival in a first one-second window is not a rate of one per second.
         self.total_arrival_rate = self._arrivals_sum / max(self._time_sum, self.rate_prior_s)
+        if self.rate_rise_decay > 0:
+            # Rise fast, fall slowly (as Serve's autoscaler upscales sooner than it downscales): a short memory
+            # reads a burst within a few windows, the long one holds the rate after it.
+            r = self.rate_rise_decay
+            self._arrivals_rise_sum = r * self._arrivals_rise_sum + telemetry.arrivals
+            self._time_rise_sum = r * self._time_rise_sum + telemetry.window_s
+            self.total_arrival_rate = max(self.total_arrival_rate, self._arrivals_rise_sum / max(
+                self._time_rise_sum, self.rate_prior_s))
         self.arrival_rate = self.total_arrival_rate / replicas
         if math.isfinite(telemetry.prefill_ms):
             self._prefill_sum = d * self._prefill_sum + telemetry.prefill_ms
@@ -1571,6 +1584,7 @@ class ModelPredictivePolicy:
             "batch_cap": self.batch_cap,
             "cap_utilisation": self.cap_utilisation,
             "rate_prior_s": self.rate_prior_s,
+            "rate_rise_decay": self.rate_rise_decay,
         }
 
     def __repr__(self) -> str:

@@ -135,6 +135,9 @@ class MPCParams(_Params):
                                    "the capped rows serve, a cap is planned for")
     rate_prior_s: float = Field(0.0, ge=0, description="the arrival rate is read over at least this many seconds from "
                                 "the start (0: from the first window)")
+    rate_rise_decay: float = Field(0.0, ge=0, lt=1, description="a second, shorter memory of the arrival rate (per-window "
+                                   "decay); the rate is the larger of the two: it rises within a few windows, falls "
+                                   "over rate_decay's (0: off)")
 
 
 class QualityParams(_Params):

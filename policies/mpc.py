@@ -472,6 +472,10 @@ class ModelPredictivePolicy:
     * ``rate_prior_s`` — the arrival rate is read over at least this many seconds from the start (0: from
       the first window on). Keep it below the rate's memory (``window_s / (1 − rate_decay)``, 33 s at 1 s
       windows): the decayed time sum never grows past that, and above it the rate would read low throughout.
+    * ``rate_rise_decay`` — a second, shorter memory of the arrival rate (per-window decay; 0: off): the rate is
+      the larger of the two, so it rises within a few windows of a burst's onset and falls over ``rate_decay``'s
+      (session 31: on seed 37's recorded windows, 0.85 leaves plain decoding at the burst's first cluster 6 s
+      sooner; it also reads a light phase's clusters, so it drafts more where plain decoding meets).
     """
 
     name = "mpc"

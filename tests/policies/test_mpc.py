@@ -1079,3 +1079,24 @@ def test_look_ahead_plans_for_the_recent_peak_rows_only_where_a_switch_costs_a_c
     assert batches(toy_model(), 4) == batches(toy_model(), 0)
     with pytest.raises(ValueError, match="look_ahead_windows must be >= 0, got -1"):
         ModelPredictivePolicy(slo, toy_model(), look_ahead_windows=-1)
+
+
+def test_the_rise_memory_reads_a_step_up_within_windows_and_the_long_one_holds_it_after() -> None:
+    """0.1 req/s for 60 windows, then 1 req/s for 5, then none for 10. With rate_rise_decay 0.85 the rate after the
+    step is the short memory's (most of the new rate within 5 windows; the long memory's alone reads a third of
+    it); after it the rate is never below the long memory's, which is the default's: it falls as slowly."""
+    def run(**kwargs: float) -> list[float]:
+        policy = _plain_only_policy(**kwargs)
+        rates = []
+        for tick, arrivals in enumerate([1 if i % 10 == 0 else 0 for i in range(60)] + [1] * 5 + [0] * 10, start=1):
+            policy.decide(load(1, arrivals=arrivals, tiers=window("economy", k=0), time_s=float(tick), window_s=1.0))
+            rates.append(policy.arrival_rate)
+        return rates
+
+    default, rise = run(), run(rate_rise_decay=0.85)
+    assert rise[:60] == pytest.approx(default[:60], abs=0.2)  # a quiet phase: both near 0.1 (one window in ten)
+    assert default[64] < 0.3 and rise[64] > 0.5
+    assert all(r >= d - 1e-12 for r, d in zip(rise, default, strict=True))
+    assert rise[-1] == pytest.approx(default[-1])  # ten quiet windows on: the long memory's again
+    with pytest.raises(ValueError, match="rate_rise_decay must be in \\[0, 1\\), got 1"):
+        _plain_only_policy(rate_rise_decay=1.0)

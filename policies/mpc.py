@@ -473,9 +473,9 @@ class ModelPredictivePolicy:
       the first window on). Keep it below the rate's memory (``window_s / (1 − rate_decay)``, 33 s at 1 s
       windows): the decayed time sum never grows past that, and above it the rate would read low throughout.
     * ``queue_joins`` — plan every candidate for at least the rows running plus the requests queued where the
-      batch has room (they join at the next step), not the rows running alone (off by default; session 31: on seed
-      37's recorded windows it leaves plain decoding at the burst's first cluster in every round, the held-out sets
-      15 / 16).
+      batch has room (they join at the next step), not the rows running alone (the default since session 31: on
+      seed 37's recorded windows it leaves plain decoding at the burst's first cluster in every round, and it held
+      live seed 39 where the rows-running policy did not; the held-out sets 15 / 16).
     * ``rate_rise_decay`` — a second, shorter memory of the arrival rate (per-window decay; 0: off): the rate is
       the larger of the two, so it rises within a few windows of a burst's onset and falls over ``rate_decay``'s
       (session 31: on seed 37's recorded windows, 0.85 leaves plain decoding at the burst's first cluster 6 s
@@ -516,7 +516,7 @@ class ModelPredictivePolicy:
         cap_utilisation: float = 0.85,
         rate_prior_s: float = 0.0,
         rate_rise_decay: float = 0.0,
-        queue_joins: bool = False,
+        queue_joins: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -1198,7 +1198,7 @@ class ModelPredictivePolicy:
         replicas = max(1, telemetry.replicas)
         running_now = max(1.0, (telemetry.in_flight - telemetry.queue_depth) / replicas)
         self._rows_seen.append(running_now)
-        # With queue_joins the batch a candidate is planned for is never below the rows running now plus the requests
+        # With queue_joins (the default) the batch a candidate is planned for is never below the rows running now plus the requests
         # queued where the batch has room: a replica admits its queue at its next step, so those rows decode beside
         # the others before the next window (session 31: at a burst's onset the rate still reads the light phase,
         # and the batch with the queue in it is where plain decoding stops meeting).

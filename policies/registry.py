@@ -138,8 +138,9 @@ class MPCParams(_Params):
     rate_rise_decay: float = Field(0.0, ge=0, lt=1, description="a second, shorter memory of the arrival rate (per-window "
                                    "decay); the rate is the larger of the two: it rises within a few windows, falls "
                                    "over rate_decay's (0: off)")
-    queue_joins: bool = Field(False, description="plan every candidate for at least the rows running plus those "
-                              "queued where the batch has room (they join at the next step); false: the rows running")
+    queue_joins: bool = Field(True, description="plan every candidate for at least the rows running plus those "
+                              "queued where the batch has room (they join at the next step); false: the rows running "
+                              "alone (the default before session 31)")
 
 
 class QualityParams(_Params):

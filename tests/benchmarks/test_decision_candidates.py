@@ -11,12 +11,12 @@ import pytest
 
 from benchmarks.decision_candidates import main
 from policies.slo import SLOSpec
-from tests.sim.test_decision_replay import _history
+from tests.sim.conftest import recorded_history
 
 
 def test_candidates_on_a_ticks_file(tmp_path: Path) -> None:
     path = tmp_path / "ticks.json.gz"
-    history = _history({"policy": "slo"}, SLOSpec.default())
+    history = recorded_history({"policy": "slo"}, SLOSpec.default())
     path.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 0, "history": history}]}).encode()))
     out = tmp_path / "out.json"
     assert main([str(path), "--tier", "standard", "--burst-s", "60", "--out", str(out),

@@ -1104,12 +1104,12 @@ def test_the_rise_memory_reads_a_step_up_within_windows_and_the_long_one_holds_i
 
 def test_with_queue_joins_the_queued_requests_are_planned_into_the_batch() -> None:
     """Three rows running and one queued with room in the batch: each candidate is planned for the three rows
-    running, or with queue_joins for the four that decode at the next step (99 ms plain steps against 91). With no
-    queue the two agree."""
+    running (queue_joins false, the default before session 31) or, by default, for the four that decode at the next
+    step (99 ms plain steps against 91). With no queue the two agree."""
     def reason(queue: int, **kw: bool) -> str:
         policy = _plain_only_policy(**kw)
         return policy.decide(load(3 + queue, queue=queue, arrivals=0, tiers=window("economy", k=0))).reason
 
-    assert "batch 3, step 91 ms, queue 1/replica" in reason(1)
-    assert "batch 4, step 99 ms, queue 1/replica" in reason(1, queue_joins=True)
-    assert reason(0, queue_joins=True) == reason(0)
+    assert "batch 3, step 91 ms, queue 1/replica" in reason(1, queue_joins=False)
+    assert "batch 4, step 99 ms, queue 1/replica" in reason(1)
+    assert reason(0, queue_joins=False) == reason(0)

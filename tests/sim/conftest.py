@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from policies.decision import decision_to_json
 from policies.slo import SLOSpec, TierSLO
 from policies.static import StaticPolicy
+from policies.telemetry import Telemetry, to_json
+from sim.decision_replay import build_policy, profile_model
 from sim.profile import HANDMADE_2THREADS_PROFILE_PATH, Profile
 from sim.simulator import SimConfig, SimResult, Simulator
 from sim.workload import Workload
+
+#: A three-tier load (tests/sim/test_mpc_closed_loop.py's MIXED).
+MIXED_TIERS: dict[str, Any] = {
+    "name": "mixed", "duration_s": 400.0, "arrivals": {"kind": "poisson", "rate": 0.6},
+    "prompt_tokens": {"kind": "lognormal", "median": 200, "sigma": 0.6, "max": 2048},
+    "output_tokens": {"kind": "lognormal", "median": 180, "sigma": 0.5, "max": 1024},
+    "tier_mix": {"lossless": 0.2, "standard": 0.6, "economy": 0.2},
+}
 
 
 def make_workload(**overrides: Any) -> Workload:
@@ -53,3 +65,32 @@ def exponential_profile(service_ms: float) -> Profile:
         "verify_c_ms": 0.0, "prefill_ms_per_token": 0.0, "iteration_time_dist": "exponential",
     }
     return Profile.model_validate(data)
+
+
+class Recorder:
+    """Wraps a policy; keeps each window and decision as the controller's history keeps them."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entries: list[dict[str, Any]] = []
+
+    def decide(self, telemetry: Telemetry) -> Any:
+        decision = self.inner.decide(telemetry)
+        self.entries.append({"time_s": telemetry.time_s, "telemetry": to_json(telemetry),
+                             "decision": decision_to_json(decision)})
+        return decision
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def recorded_history(spec: dict[str, Any], slo: SLOSpec) -> list[dict[str, Any]]:
+    """Two minutes of a three-tier load on two replicas under ``spec``, as a controller's status history records
+    it (strict JSON): a resume event, the policy event (spec, SLO, operating model), then one entry per tick."""
+    profile = handmade_profile()
+    recorder = Recorder(build_policy(spec, slo, profile_model(profile)))
+    run_sim(Workload.from_dict({**MIXED_TIERS, "duration_s": 120.0}), recorder, slo=slo, profile=profile, replicas=2, seed=3)
+    event = {"time_s": 0.0, "thresholds": {}, "decision": None, "telemetry": None, "slo": slo.model_dump(mode="json"),
+             "operating_model": profile_model(profile).to_dict(),
+             "event": {"kind": "policy", "policy": spec, "previous_policy": spec}}
+    return json.loads(json.dumps([{"event": {"kind": "resume"}}, event, *recorder.entries], allow_nan=False))

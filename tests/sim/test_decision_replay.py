@@ -6,44 +6,13 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from policies.decision import decision_to_json
 from policies.slo import SLOSpec
 from policies.telemetry import Telemetry, telemetry_from_json, to_json
 from sim.decision_replay import build_policy, last_policy_span, load_histories, profile_model, replay, summary
-from sim.workload import Workload
-from tests.sim.conftest import handmade_profile, run_sim
-from tests.sim.test_mpc_closed_loop import MIXED
-
-
-class Recorder:
-    """Wraps a policy; keeps each window and decision as the controller's history keeps them."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.entries: list[dict[str, Any]] = []
-
-    def decide(self, telemetry: Telemetry) -> Any:
-        decision = self.inner.decide(telemetry)
-        self.entries.append({"time_s": telemetry.time_s, "telemetry": to_json(telemetry),
-                             "decision": decision_to_json(decision)})
-        return decision
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-
-def _history(spec: dict[str, Any], slo: SLOSpec) -> list[dict[str, Any]]:
-    profile = handmade_profile()
-    recorder = Recorder(build_policy(spec, slo, profile_model(profile)))
-    run_sim(Workload.from_dict({**MIXED, "duration_s": 120.0}), recorder, slo=slo, profile=profile, replicas=2, seed=3)
-    event = {"time_s": 0.0, "thresholds": {}, "decision": None, "telemetry": None, "slo": slo.model_dump(mode="json"),
-             "operating_model": profile_model(profile).to_dict(),
-             "event": {"kind": "policy", "policy": spec, "previous_policy": spec}}
-    return json.loads(json.dumps([{"event": {"kind": "resume"}}, event, *recorder.entries], allow_nan=False))
+from tests.sim.conftest import handmade_profile, recorded_history
 
 
 def test_simulated_windows_round_trip_and_replay_to_the_same_decisions() -> None:
@@ -51,7 +20,7 @@ def test_simulated_windows_round_trip_and_replay_to_the_same_decisions() -> None
     came from, and a fresh object of the spec that ran decides what it decided at every tick."""
     slo = SLOSpec.default()
     spec = {"policy": "slo"}
-    history = _history(spec, slo)
+    history = recorded_history(spec, slo)
     span = last_policy_span(history)
     assert span.spec == spec and span.slo == slo and len(span.ticks) >= 100
     for entry in span.ticks:
@@ -109,7 +78,7 @@ def test_fsd_sim_decisions_replays_a_ticks_file_and_names_a_missing_run(tmp_path
     slo = SLOSpec.default()
     path = tmp_path / "ticks.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"runs": [
-        {"name": "slo", "round": 0, "history": _history({"policy": "slo"}, slo)}]}).encode()))
+        {"name": "slo", "round": 0, "history": recorded_history({"policy": "slo"}, slo)}]}).encode()))
     base = ["sim", "decisions", "--history", str(path)]
     assert main(base + ["--json", str(tmp_path / "out.json")]) == 0
     run = json.loads(capsys.readouterr().out)["runs"]["slo:0"]

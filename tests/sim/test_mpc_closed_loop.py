@@ -10,14 +10,9 @@ from policies.slo import SLOSpec
 from sim.inputs import build_policy
 from sim.profile import SEPARATE_KV_PROFILE_PATH, Profile
 from sim.workload import Workload
-from tests.sim.conftest import handmade_profile, run_sim
+from tests.sim.conftest import MIXED_TIERS, handmade_profile, run_sim
 
-MIXED = {
-    "name": "mixed", "duration_s": 400.0, "arrivals": {"kind": "poisson", "rate": 0.6},
-    "prompt_tokens": {"kind": "lognormal", "median": 200, "sigma": 0.6, "max": 2048},
-    "output_tokens": {"kind": "lognormal", "median": 180, "sigma": 0.5, "max": 1024},
-    "tier_mix": {"lossless": 0.2, "standard": 0.6, "economy": 0.2},
-}
+MIXED = MIXED_TIERS
 
 #: benchmarks/load_sim.py's step load: one 120-s round of 0.1 → 0.5 → 0.1 req/s, economy tier.
 STEP_LOAD = {

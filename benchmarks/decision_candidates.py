@@ -15,7 +15,6 @@ would have chosen, not its outcome. Prints JSON (and writes ``--out``)::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.named_specs import parse_named_specs  # noqa: E402
+from benchmarks.report import emit  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
 from sim.decision_replay import build_policy, last_policy_span, load_histories, replay  # noqa: E402
 
@@ -71,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 "light_phase_lossy": [[s, *d] for s, d in drafting if s < args.burst_s and (d[0] or 0) > 0],
             }
         out["runs"][label] = rows
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import os
 import time
 import uuid
@@ -126,22 +125,9 @@ def describe_policy(policy: Policy | None, spec: Mapping[str, Any] | None) -> di
         return None
     from policies.registry import describe
 
-    out: dict[str, Any] = _jsonable(describe(policy))
+    out: dict[str, Any] = to_json(describe(policy))
     out["spec"] = dict(spec) if spec is not None else None
     return out
-
-
-def _jsonable(value: Any) -> Any:
-    """JSON-safe copy: dataclasses and mappings to dicts, NaN/inf to None."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _actor_name() -> str | None:
@@ -540,14 +526,14 @@ class FSDController:
             "batch_cap": self._batch_cap,
             "version": self._version,
             "epoch": self._epoch,
-            "resumed": _jsonable(self._resumed),
+            "resumed": to_json(self._resumed),
             "actor_name": _actor_name(),
             "pid": os.getpid(),
             "interval_s": self._interval,
             "paused": self._paused,
             "time_s": now,
             "telemetry_age_s": self._aggregator.age_s(now, since_s=0.0),
-            "control": _jsonable(self.control_stats()),
+            "control": to_json(self.control_stats()),
             "slo": self._slo.model_dump(mode="json"),
             "policy": describe_policy(self._policy, self._policy_spec),
             "operating_model": self._operating_model_source,
@@ -558,8 +544,8 @@ class FSDController:
             "shadow_policy": describe_policy(self._shadow, self._shadow_spec),
             "last_decision": decision_to_json(self._last_decision),
             "last_shadow_decision": decision_to_json(self._last_shadow),
-            "telemetry": _jsonable(window.telemetry) if window is not None else None,
-            "replicas": [_jsonable({**dataclasses.asdict(state), "telemetry_age_s": age})
+            "telemetry": to_json(window.telemetry) if window is not None else None,
+            "replicas": [to_json({**dataclasses.asdict(state), "telemetry_age_s": age})
                          for age, state in self._aggregator.live_states(now)],
             "history": list(self._history)[-history:] if history > 0 else [],
         }

@@ -169,10 +169,10 @@ class Telemetry:
 _W = TypeVar("_W", TierWindow, Telemetry)
 
 
-def to_json(value: object) -> object:
-    """JSON-safe copy of a window (or any of its parts): dataclasses and mappings to dicts, tuples to lists,
-    NaN and infinities to None."""
-    if isinstance(value, LatencySummary | TierWindow | StepTotals | Telemetry):
+def to_json(value: Any) -> Any:
+    """JSON-safe copy of a window or any of its parts (of any dataclass, for the controller's status): dataclasses
+    and mappings to dicts, tuples to lists, NaN and infinities to None."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(k): to_json(v) for k, v in value.items()}

@@ -14,6 +14,7 @@ from benchmarks.load import (
     policy_spec,
     pool_rounds,
     round_order,
+    since_policy_event,
 )
 
 
@@ -136,3 +137,15 @@ def test_paired_rounds_compare_each_round_with_the_reference_run_beside_it() -> 
     assert out["slo"]["per_round"] == pytest.approx([0.1, 0.2, 0.0])
     assert out["slo"]["rounds"] == 3 and out["slo"]["mean"] == pytest.approx(0.1)
     assert out["slo"]["ci95"] == pytest.approx(4.30 * 0.1 / 3**0.5)
+
+
+def test_a_runs_history_starts_at_the_put_of_its_policy() -> None:
+    """--ticks keeps a run's history from its configuration's PUT (the last policy event) on, so the replay starts
+    where that policy object did; a promotion or an SLO change is not a PUT; without any, the whole history."""
+    tick = {"time_s": 1.0, "telemetry": {}, "decision": None}
+    history = [{"event": {"kind": "resume"}}, tick, {"event": {"kind": "policy", "policy": {"policy": "static"}}},
+               tick, {"event": {"kind": "policy", "policy": {"policy": "slo"}}}, tick,
+               {"event": {"kind": "slo", "policy": {"policy": "slo"}}}, tick]
+    assert since_policy_event(history) == history[4:]
+    assert since_policy_event([tick, tick]) == [tick, tick]
+

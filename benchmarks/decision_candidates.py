@@ -4,9 +4,10 @@ For every adaptive run in the ticks file (by default those whose recorded spec i
 spec, ``sim.decision_replay`` feeds the recorded windows through a fresh policy of that spec (the recorded operating
 model and SLO) and reports, per run: the first tick where it decides otherwise than the live policy did, the first
 tick at or after ``--burst-s`` where it drafts for ``--tier`` (k > 0: it has left plain decoding), and the ticks
-before ``--burst-s`` (the light phase) where it drafts at T > 0 (spends distortion; T = 0 drafting is lossless). Times are seconds after the run's first tick. A candidate's
-ticks after its first difference are read on windows the live choices produced (open loop): a guide to what it
-would have chosen, not its outcome. Prints JSON (and writes ``--out``)::
+before ``--burst-s`` (the light phase) where it drafts at T > 0 (spends distortion; T = 0 drafting is lossless).
+Times are seconds after the run's first tick. A candidate's ticks after its first difference are read on windows
+the live choices produced (open loop): a guide to what it would have chosen, not its outcome. Prints JSON (and
+writes ``--out``)::
 
     .venv/bin/python benchmarks/decision_candidates.py docs/img/load_economy_s37_t97_ttft4_s31_ticks.json.gz \\
         --burst-s 45 --candidate 'rise85={"policy": "slo", "rate_rise_decay": 0.85}'

@@ -249,6 +249,8 @@ def handle_decisions(args: argparse.Namespace) -> int:
 
     if not args.history:
         raise ValueError("decisions: give --history FILE (a saved /v1/fsd/status answer or a load.py --ticks file)")
+    if args.div and not args.profile:
+        raise ValueError("--div picks the divergence of --profile's model; give --profile too")
     histories = load_histories(args.history)
     labels = args.run or list(histories)
     unknown = [label for label in labels if label not in histories]

@@ -1198,10 +1198,10 @@ class ModelPredictivePolicy:
         replicas = max(1, telemetry.replicas)
         running_now = max(1.0, (telemetry.in_flight - telemetry.queue_depth) / replicas)
         self._rows_seen.append(running_now)
-        # With queue_joins (the default) the batch a candidate is planned for is never below the rows running now plus the requests
-        # queued where the batch has room: a replica admits its queue at its next step, so those rows decode beside
-        # the others before the next window (session 31: at a burst's onset the rate still reads the light phase,
-        # and the batch with the queue in it is where plain decoding stops meeting).
+        # With queue_joins (the default) the batch a candidate is planned for is never below the rows running now
+        # plus the requests queued where the batch has room: a replica admits its queue at its next step, so those
+        # rows decode beside the others before the next window (session 31: at a burst's onset the rate still reads
+        # the light phase, and the batch with the queue in it is where plain decoding stops meeting).
         queue = telemetry.queue_depth / replicas
         admitted_next = max(running_now, min(running_now + queue, float(self.max_batch))) if self.queue_joins \
             else running_now

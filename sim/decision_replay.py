@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,15 +85,8 @@ class ReplayedTick:
     def same(self) -> bool:
         if self.recorded is None or self.replayed is None:
             return self.recorded is None and self.replayed is None
-        return all(_equal(self.recorded.get(f), self.replayed.get(f)) for f in COMPARED_FIELDS)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return bool(a == b)
+        # Plain equality: a decision's T is finite and its k, cap and replicas are ints (Decision validates them).
+        return all(self.recorded.get(f) == self.replayed.get(f) for f in COMPARED_FIELDS)
 
 
 def build_policy(spec: str | Mapping[str, Any], slo: SLOSpec, operating_model: OperatingModel | None = None,

@@ -92,3 +92,5 @@ def test_fsd_sim_decisions_replays_a_ticks_file_and_names_a_missing_run(tmp_path
     assert json.loads(capsys.readouterr().out)["runs"]["slo:0"]["differ"] > 0
     assert main(base + ["--run", "plain:0"]) == 2
     assert "no run ['plain:0']" in capsys.readouterr().err
+    assert main(base + ["--div", "kl"]) == 2
+    assert "--div picks the divergence of --profile's model" in capsys.readouterr().err

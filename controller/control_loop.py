@@ -48,7 +48,7 @@ from controller.telemetry_agg import TelemetryAggregator, Window
 from policies.base import Policy
 from policies.decision import Decision, decision_draft_lengths, decision_to_json
 from policies.mpc import OperatingModel
-from policies.registry import DEFAULT_POLICY_SPEC
+from policies.registry import DEFAULT_POLICY_SPEC, resolve_spec
 from policies.slo import SLOSpec
 from policies.telemetry import to_json
 from policies.tiers import apply_decision, seed_policy
@@ -160,7 +160,8 @@ def policy_event_record(kind: str, time_s: float, thresholds: Mapping[str, float
     ``event`` and what the policy was built with: the SLO, the replica bounds, the operating model, None for
     the policy's default): ``kind`` ``"resume"`` (the controller's first policy, seeded at the replicas' T),
     ``"policy"`` (PUT /v1/fsd/policy), ``"promote"`` (the shadow promoted) or ``"slo"`` (the policy rebuilt
-    against a new SLO)."""
+    against a new SLO); ``resolved_policy``: the spec with every parameter written out
+    (:func:`policies.registry.resolve_spec`)."""
     return {
         "time_s": time_s,
         "thresholds": dict(thresholds),
@@ -172,7 +173,10 @@ def policy_event_record(kind: str, time_s: float, thresholds: Mapping[str, float
         "slo": dict(slo),
         "replica_bounds": list(replica_bounds) if replica_bounds is not None else None,
         "operating_model": operating_model.to_dict() if operating_model is not None else None,
-        "event": {"kind": kind, "policy": dict(policy), "previous_policy": dict(previous)},
+        # The spec as given and written out in full: the full one rebuilds the same policy after a default
+        # changes, so the history replays exactly (sim.decision_replay).
+        "event": {"kind": kind, "policy": dict(policy), "resolved_policy": resolve_spec(policy),
+                  "previous_policy": dict(previous)},
     }
 
 

@@ -275,25 +275,8 @@ def _normalise_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
     return dict(spec)
 
 
-def make_policy(
-    spec: str | Mapping[str, Any],
-    slo: SLOSpec,
-    *,
-    speed_curve: SpeedCurve | None = None,
-    latency_model: LinearLatencyModel | Callable[[float, float], float] | None = None,
-    operating_model: OperatingModel | None = None,
-    replica_bounds: tuple[int, int] | None = None,
-) -> Policy:
-    """The policy ``spec`` names, with its parameters validated, wrapped in its guards.
-
-    ``speed_curve`` / ``latency_model`` feed the feed-forward policy and ``operating_model`` the
-    model-predictive one when the spec does not carry them (the simulator passes the ones derived from
-    its profile). ``replica_bounds`` (min, max): the autoscaler a ``Decision.replicas`` is handed to
-    (Serve's ``autoscaling_config``, the simulator's autoscaler); the model-predictive policy asks for
-    replicas within them when its spec sets none (None and no ``max_replicas``: it asks for none).
-    Raises ValueError naming the bad field,
-    or listing the known names for an unknown policy.
-    """
+def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, _Params, GuardParams | None]:
+    """The policy's name, its validated parameters and its guards' (None: no guards) from a spec."""
     raw = _normalise_spec(spec)
     if raw.get("policy") == "slo":
         # The alias expands to the shipped spec; keys given beside it (guards, gains) override. A guards
@@ -308,7 +291,7 @@ def make_policy(
             f"policy: unknown policy {name!r}; known policies: {['slo', *POLICY_NAMES]}"
         )
     guards_raw = raw.pop("guards", {})
-    params_model, build = _REGISTRY[name]
+    params_model = _REGISTRY[name][0]
     try:
         params = params_model.model_validate(raw)
     except ValidationError as exc:
@@ -334,6 +317,47 @@ def make_policy(
         else:
             raise ValueError(f"guards.quality: expected true, false or the guard's parameters, got {quality_raw!r}")
         guard_params = guard_params.model_copy(update={"quality": quality})
+    return name, params, guard_params
+
+
+def resolve_spec(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` with every parameter written out (the alias expanded, defaults filled in, guards resolved):
+    it builds the same policy as ``spec`` under today's defaults and keeps building it after a default
+    changes (a recorded history replays exactly). Raises ValueError like :func:`make_policy`."""
+    name, params, guard_params = _parse_spec(spec)
+    resolved: dict[str, Any] = {"policy": name, **params.model_dump(mode="json")}
+    if guard_params is None:
+        resolved["guards"] = False
+    else:
+        quality = guard_params.quality
+        if quality is True:  # the guard at its defaults, written out
+            quality = QualityParams()
+        resolved["guards"] = {**guard_params.model_dump(mode="json"),
+                              "quality": quality if quality is False else quality.model_dump(mode="json")}
+    return resolved
+
+
+def make_policy(
+    spec: str | Mapping[str, Any],
+    slo: SLOSpec,
+    *,
+    speed_curve: SpeedCurve | None = None,
+    latency_model: LinearLatencyModel | Callable[[float, float], float] | None = None,
+    operating_model: OperatingModel | None = None,
+    replica_bounds: tuple[int, int] | None = None,
+) -> Policy:
+    """The policy ``spec`` names, with its parameters validated, wrapped in its guards.
+
+    ``speed_curve`` / ``latency_model`` feed the feed-forward policy and ``operating_model`` the
+    model-predictive one when the spec does not carry them (the simulator passes the ones derived from
+    its profile). ``replica_bounds`` (min, max): the autoscaler a ``Decision.replicas`` is handed to
+    (Serve's ``autoscaling_config``, the simulator's autoscaler); the model-predictive policy asks for
+    replicas within them when its spec sets none (None and no ``max_replicas``: it asks for none).
+    Raises ValueError naming the bad field,
+    or listing the known names for an unknown policy.
+    """
+    name, params, guard_params = _parse_spec(spec)
+    build = _REGISTRY[name][1]
     try:
         policy = build(params, slo, _Context(speed_curve, latency_model, operating_model, replica_bounds))
     except ValueError as exc:

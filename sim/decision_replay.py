@@ -43,7 +43,13 @@ class PolicySpan:
 
     @property
     def spec(self) -> Mapping[str, Any] | None:
-        return None if self.event is None else self.event["event"]["policy"]
+        """The spec that built the policy: written out in full where the history has it (it rebuilds the same
+        policy after a default changed), else as it was given."""
+        if self.event is None:
+            return None
+        event: Mapping[str, Any] = self.event["event"]
+        spec: Mapping[str, Any] = event.get("resolved_policy") or event["policy"]
+        return spec
 
     @property
     def slo(self) -> SLOSpec | None:

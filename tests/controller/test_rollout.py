@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from policies.registry import resolve_spec
 from tests.controller.conftest import ADMIN_TOKEN, RayServe, deployed_app, tiny_config
 from tests.controller.conftest import wait_until as _wait
 
@@ -170,7 +171,8 @@ def test_record_replay_shadow_promote(rollout_service: tuple[str, Path], tmp_pat
         st = r.json()
         assert st["policy"]["spec"] == SHADOW_POLICY and st["shadow_policy"] is None
         event = st["history"][-1]["event"]
-        assert event == {"kind": "promote", "policy": SHADOW_POLICY, "previous_policy": LIVE_POLICY}
+        assert event == {"kind": "promote", "policy": SHADOW_POLICY, "resolved_policy": resolve_spec(SHADOW_POLICY),
+                         "previous_policy": LIVE_POLICY}
         _wait(lambda: client.get("/v1/fsd/status", params={"history": 0}).json()["thresholds"]["standard"] == 0.75,
               10, "the promoted policy to apply")
         history = client.get("/v1/fsd/status", params={"history": 10_000}).json()["history"]

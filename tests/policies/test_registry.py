@@ -260,3 +260,44 @@ def test_slo_alias_guards_override_key_by_key() -> None:
     assert isinstance(guard, QualityGuard) and (guard.alpha, guard.margin) == (0.1, 0.0)  # the shipped guard
     bare = make_policy({"policy": "slo", "guards": {"quality": False}}, make_slo())
     assert not isinstance(bare.inner, QualityGuard)
+
+
+@pytest.mark.parametrize("spec", ["slo", "static:0.5", {"policy": "slo", "queue_joins": False, "guards": False},
+                                  {"policy": "pid", "guards": {"quality": False, "max_rate": 0.5}}, *SPECS.values()])
+def test_a_resolved_spec_writes_every_parameter_and_builds_the_same_policy(spec: Any) -> None:
+    """resolve_spec: the alias expanded, every parameter and guard written out; it builds a policy described
+    exactly as the spec's (wrappers, parameters), resolves to itself, and carries no default left to change."""
+    from policies.registry import _REGISTRY, GuardParams, QualityParams, resolve_spec
+
+    slo = make_slo()
+    resolved = resolve_spec(spec)
+    assert describe(make_policy(resolved, slo)) == describe(make_policy(spec, slo))
+    assert resolve_spec(resolved) == resolved
+    json.dumps(resolved)  # recorded in the status history as is
+    name = resolved["policy"]
+    assert set(resolved) == {"policy", "guards", *_REGISTRY[name][0].model_fields}
+    guards = resolved["guards"]
+    if guards is not False:
+        assert set(guards) == set(GuardParams.model_fields)
+        assert guards["quality"] is False or set(guards["quality"]) == set(QualityParams.model_fields)
+
+
+def test_resolve_spec_refuses_a_bad_spec_by_name() -> None:
+    from policies.registry import resolve_spec
+
+    with pytest.raises(ValueError, match=r"^pid\.kp"):
+        resolve_spec({"policy": "pid", "kp": "fast"})
+    with pytest.raises(ValueError, match="known policies"):
+        resolve_spec("magic")
+
+
+def test_the_quality_guards_defaults_are_its_parameters_defaults() -> None:
+    """``quality: true`` resolves to QualityParams() written out: the same guard only if the defaults agree."""
+    import inspect
+
+    from policies.guards import QualityGuard
+    from policies.registry import QualityParams
+
+    signature = inspect.signature(QualityGuard.__init__).parameters
+    assert {k: f.default for k, f in QualityParams.model_fields.items()} == {
+        k: signature[k].default for k in QualityParams.model_fields}

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from policies.decision import decision_to_json
+from policies.registry import resolve_spec
 from policies.slo import SLOSpec, TierSLO
 from policies.static import StaticPolicy
 from policies.telemetry import Telemetry, to_json
@@ -86,11 +87,12 @@ class Recorder:
 
 def recorded_history(spec: dict[str, Any], slo: SLOSpec) -> list[dict[str, Any]]:
     """Two minutes of a three-tier load on two replicas under ``spec``, as a controller's status history records
-    it (strict JSON): a resume event, the policy event (spec, SLO, operating model), then one entry per tick."""
+    it (strict JSON): a resume event, the policy event (spec as given and written out, SLO, operating model),
+    then one entry per tick."""
     profile = handmade_profile()
     recorder = Recorder(build_policy(spec, slo, profile_model(profile)))
     run_sim(Workload.from_dict({**MIXED_TIERS, "duration_s": 120.0}), recorder, slo=slo, profile=profile, replicas=2, seed=3)
     event = {"time_s": 0.0, "thresholds": {}, "decision": None, "telemetry": None, "slo": slo.model_dump(mode="json"),
              "operating_model": profile_model(profile).to_dict(),
-             "event": {"kind": "policy", "policy": spec, "previous_policy": spec}}
+             "event": {"kind": "policy", "policy": spec, "resolved_policy": resolve_spec(spec), "previous_policy": spec}}
     return json.loads(json.dumps([{"event": {"kind": "resume"}}, event, *recorder.entries], allow_nan=False))

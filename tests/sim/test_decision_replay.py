@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from policies.registry import resolve_spec
 from policies.slo import SLOSpec
 from policies.telemetry import Telemetry, telemetry_from_json, to_json
 from sim.decision_replay import build_policy, last_policy_span, load_histories, profile_model, replay, summary
@@ -22,7 +23,7 @@ def test_simulated_windows_round_trip_and_replay_to_the_same_decisions() -> None
     spec = {"policy": "slo"}
     history = recorded_history(spec, slo)
     span = last_policy_span(history)
-    assert span.spec == spec and span.slo == slo and len(span.ticks) >= 100
+    assert span.spec == resolve_spec(spec) and span.slo == slo and len(span.ticks) >= 100
     for entry in span.ticks:
         assert json.loads(json.dumps(to_json(telemetry_from_json(entry["telemetry"])))) == entry["telemetry"]
     ticks = replay(span, build_policy(span.spec, slo, profile_model(handmade_profile())), slo)
@@ -31,6 +32,26 @@ def test_simulated_windows_round_trip_and_replay_to_the_same_decisions() -> None
     assert len({json.dumps(t.recorded) for t in ticks}) > 3  # it moved (T and k), so equality means something
     # Another model (the default pair's, not the profile the run used) decides otherwise on the same windows.
     assert summary(replay(span, build_policy(spec, slo, None), slo))["differ"] > 0
+
+
+def test_a_history_replays_exactly_after_a_default_changed() -> None:
+    """A history records the spec written out: recorded when a default was other than today's (``budget_margin``
+    0.3, say, so that the spec as given, ``{"policy": "slo"}``, then meant that), it replays equal through the
+    written-out spec; read as given, under today's defaults, it does not (the check can fail)."""
+    slo = SLOSpec.default()
+    ran = {"policy": "slo", "budget_margin": 0.3}  # what "slo" built under that older default
+    history = recorded_history(ran, slo)
+    event = history[1]["event"]
+    event["policy"] = event["previous_policy"] = {"policy": "slo"}  # as the controller recorded the PUT then
+    model = profile_model(handmade_profile())
+    span = last_policy_span(history)
+    assert span.spec == resolve_spec(ran)
+    out = summary(replay(span, build_policy(span.spec, slo, model), slo))
+    assert out["differ"] == 0 and out["same"] == len(span.ticks), out["first_differences"]
+    del event["resolved_policy"]  # a history from before resolved specs were recorded
+    as_given = last_policy_span(history)
+    assert as_given.spec == {"policy": "slo"}
+    assert summary(replay(as_given, build_policy(as_given.spec, slo, model), slo))["differ"] > 0
 
 
 def test_history_files_read_back_by_label(tmp_path: Path) -> None:

@@ -446,6 +446,7 @@ class ModelPredictivePolicy:
     * ``step_slope_prior`` — the spread of the fits' prior on how their correction changes with the batch
       (:class:`StepCorrection`'s ``slope_prior``): smaller trusts one ratio for every batch until windows far
       apart in batch show otherwise.
+    * ``draft_slope_prior`` — the same for the fits of speculative steps alone (None: ``step_slope_prior``).
     * ``switch_margin`` — a candidate of the other kind of step than the one in force (plain ↔
       speculative) is ranked as if its steps took this much longer: a switch must pay by more than the
       fits' noise (each kind is corrected from its own few windows), or k flips back and forth.
@@ -499,6 +500,7 @@ class ModelPredictivePolicy:
         rate_decay: float = 0.97,
         step_decay: float = 0.9,
         step_slope_prior: float = 1.5,
+        draft_slope_prior: float | None = None,
         switch_margin: float = 0.1,
         probe_after: int = 30,
         min_samples: int = 5,
@@ -540,6 +542,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(step_slope_prior) and step_slope_prior > 0):
             raise ValueError(f"step_slope_prior must be finite and > 0, got {step_slope_prior}")
         self.step_slope_prior = step_slope_prior
+        if draft_slope_prior is not None and not (math.isfinite(draft_slope_prior) and draft_slope_prior > 0):
+            raise ValueError(f"draft_slope_prior must be finite and > 0 or None, got {draft_slope_prior}")
+        self.draft_slope_prior = draft_slope_prior
         if not (math.isfinite(switch_margin) and switch_margin >= 0):
             raise ValueError(f"switch_margin must be finite and >= 0, got {switch_margin}")
         self.switch_margin = switch_margin
@@ -747,8 +752,9 @@ class ModelPredictivePolicy:
         self.last_prediction: dict[str, dict[str, float]] = {}
         self._last_time_s: float | None = None
 
-    def _new_step_fit(self) -> StepCorrection:
-        return StepCorrection(decay=self.step_decay, slope_prior=self.step_slope_prior)
+    def _new_step_fit(self, speculative: bool = False) -> StepCorrection:
+        slope_prior = self.draft_slope_prior if speculative and self.draft_slope_prior is not None else None
+        return StepCorrection(decay=self.step_decay, slope_prior=slope_prior or self.step_slope_prior)
 
     def _tokens_at(self, by_batch: np.ndarray, batch: np.ndarray, ks_plus_1: np.ndarray) -> np.ndarray:
         """Corrected tokens per step [candidates, tiers] at each candidate's (fractional) batch, linear
@@ -796,7 +802,7 @@ class ModelPredictivePolicy:
                        batch: float) -> None:
         fit = self.draft_steps.get(k_max)
         if fit is None:
-            fit = self.draft_steps[k_max] = self._new_step_fit()
+            fit = self.draft_steps[k_max] = self._new_step_fit(speculative=True)
         fit.observe(measured_ms, fixed_ms, per_row_ms, batch)
         self._draft_last[k_max] = self._ticks
 
@@ -1585,6 +1591,7 @@ class ModelPredictivePolicy:
             "rate_decay": self.rate_decay,
             "step_decay": self.step_decay,
             "step_slope_prior": self.step_slope_prior,
+            "draft_slope_prior": self.draft_slope_prior,
             "switch_margin": self.switch_margin,
             "probe_after": self.probe_after,
             "min_samples": self.min_samples,

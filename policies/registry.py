@@ -113,6 +113,8 @@ class MPCParams(_Params):
     step_decay: float = Field(0.9, ge=0, lt=1)
     step_slope_prior: float = Field(1.5, gt=0, description="spread of the step fits' prior on a batch-dependent "
                                     "correction; smaller: one ratio for every batch until far-apart batches differ")
+    draft_slope_prior: float | None = Field(None, gt=0, description="the same for speculative steps' fits alone "
+                                            "(None: step_slope_prior)")
     switch_margin: float = Field(0.1, ge=0)
     probe_after: int = Field(30, ge=1)
     min_samples: int = Field(5, ge=1)

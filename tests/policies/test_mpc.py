@@ -170,6 +170,8 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), probe_after=0)
     with pytest.raises(ValueError, match="step_slope_prior must be finite and > 0, got 0.0"):
         ModelPredictivePolicy(make_slo(), toy_model(), step_slope_prior=0.0)
+    with pytest.raises(ValueError, match="draft_slope_prior must be finite and > 0 or None, got -1.0"):
+        ModelPredictivePolicy(make_slo(), toy_model(), draft_slope_prior=-1.0)
 
 
 def test_the_step_slope_prior_reaches_every_step_fit() -> None:
@@ -180,6 +182,26 @@ def test_the_step_slope_prior_reaches_every_step_fit() -> None:
     assert policy.params()["step_slope_prior"] == 0.1
     policy.reset()
     assert policy.plain_step.slope_prior == 0.1
+
+
+def test_the_draft_slope_prior_reaches_the_speculative_fits_alone() -> None:
+    """Windows of speculative steps at one and two rows, the second 40 % over the model (live, the ratio rises
+    from one row to two and falls back beyond: sessions 31-32's ticks files): a flat prior keeps one ratio for
+    every batch, the plain fit's prior stays the step prior."""
+    def fit(draft_slope_prior: float | None) -> tuple[float, float]:
+        policy = ModelPredictivePolicy(make_slo(), toy_model(), step_slope_prior=1.5,
+                                       draft_slope_prior=draft_slope_prior)
+        for _ in range(6):
+            policy._observe_draft(6, 1.1 * (200.0 + 20.0), 200.0, 20.0, 1.0)
+            policy._observe_draft(6, 1.4 * (200.0 + 40.0), 200.0, 20.0, 2.0)
+        assert policy.plain_step.slope_prior == 1.5
+        assert policy.params()["draft_slope_prior"] == draft_slope_prior
+        return policy.draft_steps[6].fixed, policy.draft_steps[6].per_row
+
+    steep_fixed, steep_per_row = fit(None)  # the step prior's: the rise read as a per-row factor
+    flat_fixed, flat_per_row = fit(0.05)
+    assert steep_per_row - steep_fixed > 2.0
+    assert abs(flat_per_row - flat_fixed) < 0.05 and 1.1 < flat_fixed < 1.4
 
 
 def test_a_switch_of_kind_must_pay_more_than_the_switch_margin() -> None:

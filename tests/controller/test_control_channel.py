@@ -20,6 +20,7 @@ from controller.batching import BatchingLoop, TokenEvent
 from controller.control_loop import FSDController
 from controller.protocol import EndChunk, ReplicaReport, ReportReply, StartChunk
 from controller.replica import FSDReplica
+from policies.registry import resolve_spec
 from tests.controller.conftest import tiny_config
 
 ECONOMY_T = 1.5
@@ -413,7 +414,8 @@ def test_the_status_history_replays_through_the_policy_that_ran_tick_for_tick() 
     history = json.loads(json.dumps(asyncio.run(scenario()), allow_nan=False))
     span = last_policy_span(history)
     assert span.event is not None and span.event["event"]["kind"] == "policy" and len(span.ticks) == 6
-    assert span.slo is not None and span.spec == {"policy": "slo"}
+    assert span.event["event"]["policy"] == {"policy": "slo"}  # as PUT, and written out in full beside it
+    assert span.slo is not None and span.spec == resolve_spec({"policy": "slo"})
     ticks = replay(span, build_policy(span.spec, span.slo, span.operating_model, span.replica_bounds), span.slo)
     assert [t.same for t in ticks] == [True] * 6
     assert all(t.recorded is not None and t.replayed is not None and t.replayed["reason"] == t.recorded["reason"]

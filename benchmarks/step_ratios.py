@@ -4,7 +4,7 @@ The model-predictive policy corrects its step model online with a line in the pe
 (``policies.step_correction``): the line's slope, learned where a light phase runs one or two rows, is what it
 extrapolates to a burst's five or six. This script reads the same windows the policy read (each tick's
 ``plain_steps`` / ``speculative_steps`` totals, against the run's recorded operating model, the sums as
-``policies.mpc`` forms them) and tabulates the ratio per kind of step, k_max (speculative) and rounded mean batch,
+``policies.mpc.speculative_step_line`` forms them) and tabulates the ratio per kind of step, k_max (speculative) and rounded mean batch,
 over every run of each file; so whether a line is the right shape is read off the data, not the fit.
 Prints JSON (and writes ``--out``)::
 
@@ -24,7 +24,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import emit  # noqa: E402
-from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel  # noqa: E402
+from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel, speculative_step_line  # noqa: E402
+from policies.telemetry import StepTotals  # noqa: E402
 from sim.decision_replay import last_policy_span, load_histories  # noqa: E402
 
 
@@ -40,13 +41,10 @@ def window_ratios(telemetry: Mapping[str, Any], model: OperatingModel) -> list[t
         out.append(("plain", batch, plain["ms"] / plain["steps"] / float(fixed + per_row * batch)))
     spec = telemetry.get("speculative_steps")
     if spec and spec.get("steps") and spec.get("rows"):
-        n, rows = spec["steps"], spec["rows"]
-        fixed = (n * c.verify_fixed_ms + spec["draft_forwards"] * c.draft_fixed_ms) / n
-        per_row = (rows * c.verify_per_seq_ms + spec["verify_tokens"] * c.verify_per_token_ms
-                   + spec["drafted_row_forwards"] * c.draft_per_seq_ms) / rows
-        batch = rows / n
-        k_max = max(1, round(spec["draft_forwards"] / n))
-        out.append((f"k{k_max}", batch, spec["ms"] / n / (fixed + per_row * batch)))
+        totals = StepTotals(**spec)
+        spec_fixed, spec_per_row = speculative_step_line(c, totals)
+        k_max = max(1, round(totals.draft_forwards / totals.steps))
+        out.append((f"k{k_max}", totals.mean_rows, totals.mean_ms / (spec_fixed + spec_per_row * totals.mean_rows)))
     return out
 
 

@@ -161,6 +161,16 @@ class StepCost:
         return plain_step_line(self.plain_ms_by_batch, self.plain_fixed_ms, self.plain_per_seq_ms, batch)
 
 
+def speculative_step_line(cost: Any, totals: StepTotals) -> tuple[float, float]:
+    """The model's (fixed ms, per-row ms) of the mean speculative step in ``totals`` (what those steps held:
+    draft forwards, verify widths, drafted rows), the line a window's measured mean step is set against."""
+    n, rows = totals.steps, totals.rows
+    fixed = (n * cost.verify_fixed_ms + totals.draft_forwards * cost.draft_fixed_ms) / n
+    per_row = (rows * cost.verify_per_seq_ms + totals.verify_tokens * cost.verify_per_token_ms
+               + totals.drafted_row_forwards * cost.draft_per_seq_ms) / rows
+    return fixed, per_row
+
+
 def plain_step_line(by_batch: Sequence[float], fixed_ms: float, per_row_ms: float,
                     batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, per row) ms of the segment of the plain step that holds ``batch``: step = fixed + per_row · B.
@@ -753,8 +763,8 @@ class ModelPredictivePolicy:
         self._last_time_s: float | None = None
 
     def _new_step_fit(self, speculative: bool = False) -> StepCorrection:
-        slope_prior = self.draft_slope_prior if speculative and self.draft_slope_prior is not None else None
-        return StepCorrection(decay=self.step_decay, slope_prior=slope_prior or self.step_slope_prior)
+        prior = self.draft_slope_prior if speculative and self.draft_slope_prior is not None else self.step_slope_prior
+        return StepCorrection(decay=self.step_decay, slope_prior=prior)
 
     def _tokens_at(self, by_batch: np.ndarray, batch: np.ndarray, ks_plus_1: np.ndarray) -> np.ndarray:
         """Corrected tokens per step [candidates, tiers] at each candidate's (fractional) batch, linear
@@ -818,11 +828,8 @@ class ModelPredictivePolicy:
             self.plain_step.observe(plain.mean_ms, float(plain_fixed[0]), float(plain_per_row[0]), batch)
             self._plain_last = self._ticks
         if speculative is not None and speculative.steps > 0 and speculative.rows > 0:
-            n, rows = speculative.steps, speculative.rows
-            fixed = (n * c.verify_fixed_ms + speculative.draft_forwards * c.draft_fixed_ms) / n
-            per_row = (rows * c.verify_per_seq_ms + speculative.verify_tokens * c.verify_per_token_ms
-                       + speculative.drafted_row_forwards * c.draft_per_seq_ms) / rows
-            k_max = max(1, round(speculative.draft_forwards / n))
+            fixed, per_row = speculative_step_line(c, speculative)
+            k_max = max(1, round(speculative.draft_forwards / speculative.steps))
             self._observe_draft(k_max, speculative.mean_ms, fixed, per_row, speculative.mean_rows)
 
     def _rate_bound(self, replicas: int) -> float:

@@ -90,7 +90,7 @@ import numpy as np
 
 from policies.decision import Decision
 from policies.slo import SLOSpec, TierSLO, tiers_by_budget
-from policies.step_correction import StepCorrection
+from policies.step_correction import BatchStepCorrection, StepCorrection
 from policies.telemetry import StepTotals, Telemetry
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -332,6 +332,9 @@ def _weighted_column_sums(columns: Sequence[np.ndarray], weights: np.ndarray) ->
 #: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
 #: a step on average: steps are admission points) and the decode step its prefill is fused with.
 _TTFT_STEPS = 1.5
+#: How step-time fits correct the model: "line" (StepCorrection, fixed and per-row parts) or "batch"
+#: (BatchStepCorrection, a ratio per batch size).
+_STEP_FITS = frozenset({"line", "batch"})
 _Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 
 
@@ -529,6 +532,7 @@ class ModelPredictivePolicy:
         rate_prior_s: float = 0.0,
         rate_rise_decay: float = 0.0,
         queue_joins: bool = True,
+        step_fit: str = "line",
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -555,6 +559,9 @@ class ModelPredictivePolicy:
         if draft_slope_prior is not None and not (math.isfinite(draft_slope_prior) and draft_slope_prior > 0):
             raise ValueError(f"draft_slope_prior must be finite and > 0 or None, got {draft_slope_prior}")
         self.draft_slope_prior = draft_slope_prior
+        if step_fit not in _STEP_FITS:
+            raise ValueError(f"step_fit must be one of {sorted(_STEP_FITS)}, got {step_fit!r}")
+        self.step_fit = step_fit
         if not (math.isfinite(switch_margin) and switch_margin >= 0):
             raise ValueError(f"switch_margin must be finite and >= 0, got {switch_margin}")
         self.switch_margin = switch_margin
@@ -717,7 +724,7 @@ class ModelPredictivePolicy:
         # simulator: k = 2 and 4 windows at one row after k = 6 ones at three took the per-row factor to
         # its 0.25 bound, and the policy entered the burst at T = 0.75 predicted to meet).
         self.plain_step = self._new_step_fit()
-        self.draft_steps: dict[int, StepCorrection] = {}
+        self.draft_steps: dict[int, StepCorrection | BatchStepCorrection] = {}
         self._draft_last: dict[int, int] = {}  # k_max: the tick its fit last took a window
         self._no_evidence = self._new_step_fit()  # the model's step (never observes)
         self._ticks = 0
@@ -762,7 +769,9 @@ class ModelPredictivePolicy:
         self.last_prediction: dict[str, dict[str, float]] = {}
         self._last_time_s: float | None = None
 
-    def _new_step_fit(self, speculative: bool = False) -> StepCorrection:
+    def _new_step_fit(self, speculative: bool = False) -> StepCorrection | BatchStepCorrection:
+        if self.step_fit == "batch":
+            return BatchStepCorrection(self.max_batch, decay=self.step_decay)
         prior = self.draft_slope_prior if speculative and self.draft_slope_prior is not None else self.step_slope_prior
         return StepCorrection(decay=self.step_decay, slope_prior=prior)
 
@@ -797,7 +806,7 @@ class ModelPredictivePolicy:
         """The tick a fit of that kind of step last took a window (-inf: never)."""
         return self._plain_last if plain else max(self._draft_last.values(), default=-math.inf)
 
-    def _draft_fit(self, k_max: int) -> StepCorrection:
+    def _draft_fit(self, k_max: int) -> StepCorrection | BatchStepCorrection:
         """The fit for speculative steps of ``k_max`` draft steps: its own once it has a window, else the
         nearest k_max's that has (the most recent of two as near), else the model's step."""
         fit = self.draft_steps.get(k_max)
@@ -988,22 +997,39 @@ class ModelPredictivePolicy:
         return ratio
 
     def _step_correction(self, k_max: np.ndarray, probe: bool | None = None, k_now: int = 0,
-                         unique: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         unique: tuple[np.ndarray, np.ndarray] | None = None,
+                         batch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """[candidates] the corrections of the fixed and of the per-row step time of each candidate's step,
-        by its ``k_max`` (0: plain; see :meth:`_draft_fit`). ``probe`` (the kind in force, plain or not;
-        see :meth:`_probing`) with ``k_now`` (the k_max in force): the other kind is taken at the lower of
-        its own factors and those of the step in force. ``unique``: ``(np.unique(k_max), np.searchsorted(that,
-        k_max))`` when known (a universe's)."""
+        by its ``k_max`` (0: plain; see :meth:`_draft_fit`) and, with ``step_fit`` "batch", at its ``batch``
+        (rows; required then). ``probe`` (the kind in force, plain or not; see :meth:`_probing`) with
+        ``k_now`` (the k_max in force): the other kind is taken at the lower of its own factors and those
+        of the step in force. ``unique``: ``(np.unique(k_max), np.searchsorted(that, k_max))`` when known
+        (a universe's)."""
         keys = np.unique(k_max) if unique is None else unique[0]  # sorted
-        fixed, per_row = np.empty(keys.size), np.empty(keys.size)
         now = None if probe is None else self.plain_step if probe else self._draft_fit(max(k_now, 1))
+        at = np.searchsorted(keys, k_max) if unique is None else unique[1]
+        if self.step_fit == "batch":
+            if batch is None:
+                raise ValueError("step_fit 'batch' corrects a step at a batch: pass batch")
+            rows = np.broadcast_to(batch, k_max.shape)
+            fixed_at, per_row_at = np.empty(k_max.shape), np.empty(k_max.shape)
+            for j, k in enumerate(keys.tolist()):
+                sel = at == j
+                fit = self.plain_step if k == 0 else self._draft_fit(k)
+                fit_fixed, fit_per_row = fit.factors(rows[sel])
+                if now is not None and (k == 0) != probe:  # the kind not in force, while probing
+                    now_fixed, now_per_row = now.factors(rows[sel])
+                    fit_fixed, fit_per_row = np.minimum(fit_fixed, now_fixed), np.minimum(fit_per_row, now_per_row)
+                fixed_at[sel], per_row_at[sel] = fit_fixed, fit_per_row
+            return fixed_at, per_row_at
+        fixed, per_row = np.empty(keys.size), np.empty(keys.size)
         for j, k in enumerate(keys.tolist()):
             fit = self.plain_step if k == 0 else self._draft_fit(k)
+            assert isinstance(fit, StepCorrection) and (now is None or isinstance(now, StepCorrection))
             a, b = fit.fixed, fit.per_row
             if now is not None and (k == 0) != probe:  # the kind not in force, while probing
                 a, b = min(a, now.fixed), min(b, now.per_row)
             fixed[j], per_row[j] = a, b
-        at = np.searchsorted(keys, k_max) if unique is None else unique[1]
         return fixed[at], per_row[at]
 
     def _probing(self, active: np.ndarray, in_flight: int) -> bool | None:
@@ -1233,8 +1259,11 @@ class ModelPredictivePolicy:
         per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
         probe = self._probing(active, telemetry.in_flight)
         k_now = int(np.where(active, self._ks_now(), 0).max())
-        fixed_correction, per_row_correction = self._step_correction(u.k_max, probe=probe, k_now=k_now,
-                                                                     unique=(u.k_max_keys, u.k_max_at))
+        unique = (u.k_max_keys, u.k_max_at)
+        # Fits by batch (step_fit "batch") are read at each pass's planned batch, lines once.
+        by_rows = self.step_fit == "batch"
+        line_corrections = None if by_rows else self._step_correction(u.k_max, probe=probe, k_now=k_now,
+                                                                      unique=unique)
         plain_table = bool(self.model.cost.plain_ms_by_batch)
 
         def corrected_line(near: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1243,6 +1272,8 @@ class ModelPredictivePolicy:
             if plain_table:
                 plain_fixed, plain_per_row = self.model.cost.plain_line(near)
                 fixed, per_row = np.where(u.plain, plain_fixed, fixed), np.where(u.plain, plain_per_row, per_row)
+            fixed_correction, per_row_correction = line_corrections or self._step_correction(
+                u.k_max, probe=probe, k_now=k_now, unique=unique, batch=near)
             return fixed * fixed_correction, per_row * per_row_correction
 
         # What does not depend on the planned batch, once for both of predict's loads:
@@ -1275,7 +1306,8 @@ class ModelPredictivePolicy:
             # Little: B = λ·L·TPOT = λ·L·(f + p·B) / (1000·n̄)  ⇒  B = x·f / (1 − x·p), x = λL / (1000 n̄).
             # With batch-dependent tokens n̄(B), or a plain step piecewise in B, fixed-point passes: each
             # re-reads n̄ and the plain segment at the batch the last one planned.
-            for _ in range(1 if by_batch is None and not plain_table else 3 if plain_table else 2):
+            for _ in range(1 if by_batch is None and not (plain_table or by_rows) else 3 if plain_table or by_rows
+                           else 2):
                 mean_tokens = _row_sums(tokens * shares)
                 x = lam * length / (1000.0 * mean_tokens)
                 denom = 1.0 - x * p
@@ -1299,7 +1331,7 @@ class ModelPredictivePolicy:
                 batch = np.clip(np.maximum(planned, floor), 1.0, float(self.max_batch))
                 if by_batch is not None:
                     tokens = self._tokens_at(by_batch, batch, u.ks_plus_1)
-                if plain_table:
+                if plain_table or by_rows:
                     f, p = corrected_line(batch)
             if by_batch is not None:
                 mean_tokens = _row_sums(tokens * shares)
@@ -1456,10 +1488,10 @@ class ModelPredictivePolicy:
         scaling = "" if wanted is None else f", {replicas} replicas serving, {wanted} wanted"
         probing = "" if probe is None else f", probing {'speculative' if probe else 'plain'} steps"
         reason = (f"mpc {mode}: batch {float(batch[best]):.2g}, step {float(step[best]):.0f} ms, "
-                  f"queue {queue:.2g}/replica{scaling}{probing}, step correction (fixed, per row) plain "
-                  f"{self.plain_step.fixed:.2f}, {self.plain_step.per_row:.2f} / speculative "
-                  + (" ".join(f"k{k} {fit.fixed:.2f}, {fit.per_row:.2f}" for k, fit in sorted(self.draft_steps.items()))
-                     or "1.00, 1.00") + "; " + "; ".join(parts))
+                  f"queue {queue:.2g}/replica{scaling}{probing}, step correction "
+                  f"{'by rows' if by_rows else '(fixed, per row)'} plain {self.plain_step.summary()} / speculative "
+                  + (" ".join(f"k{k} {fit.summary()}" for k, fit in sorted(self.draft_steps.items()))
+                     or self._no_evidence.summary()) + "; " + "; ".join(parts))
         # A cap only where every target is predicted met: where none can be, throughput buys the most
         # attainment (held-out overloaded cases lost 2-4 points of it to a cap).
         batch_cap = (int(cap[best]) or None) if mode == "meets" else None
@@ -1521,11 +1553,12 @@ class ModelPredictivePolicy:
         sees the queue and the measured shortfall). ``tokens`` are :meth:`decide`'s, at the batch it
         planned for the load now (a batch-dependent model is not re-read at each count)."""
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
-        fixed_correction, per_row_correction = self._step_correction(np.where(shares > 0, ks, 0).max(axis=1))
+        k_max = np.where(shares > 0, ks, 0).max(axis=1)
         mean_tokens = (tokens * shares).sum(axis=1)
         x = lam * length / (1000.0 * mean_tokens)
         near = np.ones(ks.shape[0])  # the plain step's segment: at one row, then at the batch planned
-        for _ in range(2 if self.model.cost.plain_ms_by_batch else 1):
+        for _ in range(2 if self.model.cost.plain_ms_by_batch or self.step_fit == "batch" else 1):
+            fixed_correction, per_row_correction = self._step_correction(k_max, batch=near)
             fixed = self._step_ms(ks, shares, 0.0, near)
             f = fixed * fixed_correction
             p = (self._step_ms(ks, shares, 1.0, near) - fixed) * per_row_correction
@@ -1616,6 +1649,7 @@ class ModelPredictivePolicy:
             "rate_prior_s": self.rate_prior_s,
             "rate_rise_decay": self.rate_rise_decay,
             "queue_joins": self.queue_joins,
+            "step_fit": self.step_fit,
         }
 
     def __repr__(self) -> str:

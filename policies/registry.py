@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -115,6 +115,9 @@ class MPCParams(_Params):
                                     "correction; smaller: one ratio for every batch until far-apart batches differ")
     draft_slope_prior: float | None = Field(None, gt=0, description="the same for speculative steps' fits alone "
                                             "(None: step_slope_prior)")
+    step_fit: Literal["line", "batch"] = Field("line", description="step-time fits: a line in the per-row share "
+                                               "(fixed and per-row parts) or a ratio per batch size, shrunk "
+                                               "toward the pooled ratio where no window ran")
     switch_margin: float = Field(0.1, ge=0)
     probe_after: int = Field(30, ge=1)
     min_samples: int = Field(5, ge=1)

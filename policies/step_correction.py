@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 
 class StepCorrection:
     """Measured / modelled step time as ``a·fixed + b·per_row·B``, fitted from windows online.
@@ -83,6 +85,14 @@ class StepCorrection:
         self.fixed = min(max(y_mean - self.slope * s_mean, lo), hi)
         self.per_row = min(max(y_mean + self.slope * (1.0 - s_mean), lo), hi)
 
+    def factors(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (fixed, per-row) factors at each of ``batch`` (rows): the line's two, whatever the batch."""
+        return np.full(np.shape(batch), self.fixed), np.full(np.shape(batch), self.per_row)
+
+    def summary(self) -> str:
+        """The two factors, for a decision's reason."""
+        return f"{self.fixed:.2f}, {self.per_row:.2f}"
+
     def at(self, fixed_ms: float, per_row_ms: float, batch: float) -> float:
         """The correction of a whole step of the model's ``fixed_ms + per_row_ms · batch`` (for reports)."""
         modelled = fixed_ms + per_row_ms * batch
@@ -93,3 +103,75 @@ class StepCorrection:
     def __repr__(self) -> str:
         return (f"StepCorrection(fixed={self.fixed:.3g}, per_row={self.per_row:.3g}, noise={self.noise:.3g}, "
                 f"windows={self.windows})")
+
+
+class BatchStepCorrection:
+    """Measured / modelled step time per batch size (rows), fitted from windows online; no line.
+
+    Why: on the default pair's live step loads (sessions 31-32, ``benchmarks/step_ratios.py`` over five
+    ticks files) measured / modelled steps rise from one row to two or three (1.1 -> 1.2-1.4) and fall back
+    at four to six (1.1-1.3), plain and speculative steps alike. A line in the per-row share fitted where a
+    light phase runs (one or two rows) extrapolates the rise: fits read the per-row part at 1.6-2.8x the
+    model, and at five rows a speculative step looked slower per token than a plain one where it met.
+
+    So each integer batch ``1..max_batch`` keeps decayed sums of the ratio of the windows that ran there (a
+    window at a fractional mean batch splits between its two neighbours), and its ratio is their mean
+    shrunk toward the pooled ratio of every window by ``prior_weight`` windows: a batch no window has
+    reached reads the level measured elsewhere, not a slope. Linear between integer batches, held beyond.
+
+    * ``decay`` -- per-window decay of every batch's sums (as :class:`StepCorrection`'s).
+    * ``bounds`` -- clip of each window's ratio.
+    """
+
+    def __init__(self, max_batch: int, decay: float = 0.9, prior_weight: float = 2.0,
+                 bounds: tuple[float, float] = (0.25, 4.0)) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if not (0 <= decay < 1):
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if not (prior_weight > 0 and math.isfinite(prior_weight)):
+            raise ValueError(f"prior_weight must be finite and > 0, got {prior_weight}")
+        if not (0 < bounds[0] <= 1 <= bounds[1]):
+            raise ValueError(f"bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
+        self.max_batch, self.decay, self.prior_weight, self.bounds = max_batch, decay, prior_weight, bounds
+        self._w = np.zeros(max_batch)  # decayed weight per batch (index 0: one row)
+        self._y = np.zeros(max_batch)  # decayed ratio sums per batch
+        self.ratios = np.ones(max_batch)  # the correction at 1..max_batch rows
+        self.windows = 0
+
+    def observe(self, measured_ms: float, fixed_ms: float, per_row_ms: float, batch: float) -> None:
+        """One window: its measured mean step against the model's ``fixed_ms + per_row_ms · batch``."""
+        modelled = fixed_ms + per_row_ms * batch
+        if not (modelled > 0 and math.isfinite(measured_ms) and math.isfinite(modelled) and math.isfinite(batch)):
+            return
+        lo_bound, hi_bound = self.bounds
+        y = min(max(measured_ms / modelled, lo_bound), hi_bound)
+        position = min(max(batch, 1.0), float(self.max_batch)) - 1.0
+        lo = min(int(position), self.max_batch - 1)
+        upper = position - lo
+        self._w *= self.decay
+        self._y *= self.decay
+        self._w[lo] += 1.0 - upper
+        self._y[lo] += (1.0 - upper) * y
+        if upper > 0:
+            self._w[lo + 1] += upper
+            self._y[lo + 1] += upper * y
+        self.windows += 1
+        pooled = float(self._y.sum() / self._w.sum())
+        self.ratios = (self._y + self.prior_weight * pooled) / (self._w + self.prior_weight)
+
+    def factors(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The correction at each of ``batch`` (rows) as (fixed, per-row) factors: both the same ratio."""
+        ratio = np.interp(batch, np.arange(1.0, self.max_batch + 1.0), self.ratios)
+        return ratio, ratio
+
+    def at(self, fixed_ms: float, per_row_ms: float, batch: float) -> float:
+        """The correction of a whole step at ``batch`` rows (for reports)."""
+        return float(np.interp(batch, np.arange(1.0, self.max_batch + 1.0), self.ratios))
+
+    def summary(self) -> str:
+        """The ratio at each batch size, for a decision's reason."""
+        return "/".join(f"{r:.2f}" for r in self.ratios.tolist())
+
+    def __repr__(self) -> str:
+        return f"BatchStepCorrection(ratios={np.round(self.ratios, 3).tolist()}, windows={self.windows})"

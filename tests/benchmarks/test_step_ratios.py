@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.step_ratios import main, window_ratios
+from benchmarks.step_ratios import fit_errors, main, window_ratios
 from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel
 from policies.slo import SLOSpec
 from tests.sim.conftest import recorded_history
@@ -46,3 +46,34 @@ def test_an_unreadable_file_is_refused_by_name(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="step_ratios: history file"):
         main([str(path)])
+
+
+def test_fits_on_a_simulated_history_predict_its_own_model(tmp_path: Path) -> None:
+    """--fits: on steps exactly as the model says, both fit shapes predict every window at ratio 1."""
+    path = tmp_path / "ticks.json.gz"
+    history = recorded_history({"policy": "slo"}, SLOSpec.default())
+    path.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 0, "history": history}]}).encode()))
+    out = tmp_path / "out.json"
+    assert main([str(path), "--fits", "--out", str(out)]) == 0
+    errors = json.loads(out.read_text())["fit_errors"]
+    assert set(errors) == {"line", "batch"}
+    for groups in errors.values():
+        assert sum(g["windows"] for g in groups.values()) > 10, groups
+        assert all(g["max_abs"] < 1e-3 for g in groups.values()), groups
+
+
+def test_after_a_rise_the_fit_by_batch_predicts_a_hump_the_line_extrapolates() -> None:
+    """Plain steps 1.1x the model at one row and 1.3x at two (alternating), then a burst at five rows at 1.1x
+    (the live shape, sessions 31-32): the line over-predicts the first windows at five rows, the fit by batch
+    reads them at the pooled level."""
+    model = OperatingModel.load(DEFAULT_MODEL_PATH)
+
+    def window(batch: int, ratio: float) -> dict[str, object]:
+        fixed, per_row = model.cost.plain_line(float(batch))
+        return {"plain_steps": {"steps": 10, "rows": 10 * batch, "ms": 10 * ratio * float(fixed + per_row * batch)}}
+
+    run = [window(1 + i % 2, 1.1 if i % 2 == 0 else 1.3) for i in range(20)] + [window(5, 1.1) for _ in range(3)]
+    errors = fit_errors([run], [model])
+    line_rise, batch_rise = errors["line"]["plain after a rise"], errors["batch"]["plain after a rise"]
+    assert len(line_rise) == len(batch_rise) == 1
+    assert line_rise[0] > 0.2 and 0.0 < batch_rise[0] < 0.15

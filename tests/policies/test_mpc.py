@@ -705,6 +705,49 @@ def test_a_step_correction_learned_at_small_batches_carries_to_a_full_batch() ->
     assert ratio_at_2 * (fixed + per_row * 8) < 0.9 * truth_at_8  # what one ratio would have predicted
 
 
+def test_step_fit_batch_reads_each_candidates_correction_at_its_batch() -> None:
+    """``step_fit`` "batch": speculative windows at one row (1.1x the model) and two (1.4x) are read back at
+    each batch, and five rows, where no window ran, at the pooled ratio; the line extrapolates the rise
+    (live, sessions 31-32: the ratio falls back at four to six rows). Plain candidates read the plain fit."""
+    def trained(step_fit: str) -> ModelPredictivePolicy:
+        policy = ModelPredictivePolicy(make_slo(), toy_model(), step_fit=step_fit)
+        for _ in range(6):
+            policy._observe_draft(6, 1.1 * (200.0 + 20.0), 200.0, 20.0, 1.0)
+            policy._observe_draft(6, 1.4 * (200.0 + 40.0), 200.0, 20.0, 2.0)
+            policy.plain_step.observe(1.2 * 100.0, 80.0, 20.0, 1.0)
+        return policy
+
+    policy = trained("batch")
+    assert policy.params()["step_fit"] == "batch"
+    fixed, per_row = policy._step_correction(np.array([0, 6, 6, 6, 4]), batch=np.array([5.0, 1.0, 2.0, 5.0, 5.0]))
+    assert np.array_equal(fixed, per_row)
+    assert fixed[0] == pytest.approx(1.2)
+    assert 1.1 <= fixed[1] < 1.2 and 1.3 < fixed[2] <= 1.4  # each shrunk a little toward the pooled ratio
+    assert fixed[1] < fixed[3] < fixed[2] and fixed[4] == fixed[3]  # k = 4: the nearest k_max's fit
+    with pytest.raises(ValueError, match="pass batch"):
+        policy._step_correction(np.array([0, 6]))
+    line = trained("line")
+    assert line.draft_steps[6].at(200.0, 20.0, 5.0) > 1.6 > fixed[3]  # the line's step at five rows
+    with pytest.raises(ValueError, match="step_fit must be one of \\['batch', 'line'\\], got 'bins'"):
+        ModelPredictivePolicy(make_slo(), toy_model(), step_fit="bins")
+
+
+def test_step_fit_batch_decides_and_says_so() -> None:
+    """Closed over a few windows of plain steps at four rows, the policy with fits by batch decides at every
+    tick, names its fits in the reason, and its plain fit holds the measured ratio at four rows."""
+    policy = ModelPredictivePolicy(make_slo(), toy_model(), step_fit="batch")
+    cost = policy.model.cost
+    plain_ms = cost.plain_fixed_ms + 4 * cost.plain_per_seq_ms
+    for tick in range(1, 11):
+        policy.current = {n: (0.0, 0) for n in policy.tier_names}
+        tiers = {**window("standard", k=0), **window("economy", k=0)}
+        decision = policy.decide(load(4, arrivals=0, tiers=tiers, time_s=float(tick), mean_iteration_ms=1.5 * plain_ms,
+                                      mean_batch_size=4.0))
+        assert set(decision.thresholds) == set(policy.tier_names)
+    assert "step correction by rows plain" in decision.reason
+    assert float(policy.plain_step.factors(np.array([4.0]))[0][0]) == pytest.approx(1.5, rel=0.01)
+
+
 def test_a_tier_missing_its_target_probes_the_kind_of_step_it_has_no_recent_evidence_on() -> None:
     """Plain steps measured at 0.6x the model, speculative ones never run (so at the model's step): at the
     model's step plain decoding looks fastest. While the tier is measured short, the unmeasured kind is

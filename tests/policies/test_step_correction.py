@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from policies.mpc import plain_step_line
-from policies.step_correction import StepCorrection
+from policies.step_correction import BatchStepCorrection, StepCorrection
 
 FIXED, PER_ROW = 90.0, 9.0  # the model: 90 ms + 9 ms per row
 
@@ -116,3 +116,71 @@ def test_a_tight_slope_prior_keeps_one_ratio_where_the_windows_barely_differ_in_
     assert loose.at(*at_four, 4.0) > 1.4
     assert abs(tight.fixed - tight.per_row) < 0.15
     assert tight.at(*at_four, 4.0) == pytest.approx(1.0, abs=0.05)
+
+
+# ---------------------------------------------------------------- BatchStepCorrection
+
+
+def test_a_batch_no_window_reached_reads_the_pooled_ratio_not_an_extrapolated_slope() -> None:
+    """Live (sessions 31-32): steps 1.1x the model at one row, 1.25x at two, back to ~1.15x at five. Windows at
+    one and two rows alone: the line reads the rise as a per-row factor and puts five rows far above both;
+    the fit by batch keeps each measured batch's ratio and reads five rows at the pooled level."""
+    line, by_batch = StepCorrection(), BatchStepCorrection(8)
+    for _ in range(10):
+        for b, ratio in ((1.0, 1.1), (2.0, 1.25)):
+            for fit in (line, by_batch):
+                fit.observe(ratio * (FIXED + PER_ROW * b), FIXED, PER_ROW, b)
+    assert line.at(FIXED, PER_ROW, 5.0) > 1.4
+    fixed, per_row = by_batch.factors(np.array([1.0, 2.0, 5.0]))
+    assert np.array_equal(fixed, per_row)
+    # each measured batch near its own ratio (shrunk a little toward the pooled one)
+    assert fixed[0] == pytest.approx(1.1, abs=0.03) and fixed[1] == pytest.approx(1.25, abs=0.03)
+    assert 1.15 < fixed[2] < 1.2  # the pooled ratio: both batches' windows, decayed
+    assert by_batch.at(FIXED, PER_ROW, 5.0) == pytest.approx(float(fixed[2]))
+
+
+def test_the_fit_by_batch_follows_a_hump_a_line_cannot() -> None:
+    """Seeded noisy windows at one to six rows whose ratio rises to 1.3 at three rows and falls back: every
+    batch is read within 3 % after 60 windows; a line's residual at three rows is larger."""
+    rng = np.random.default_rng(3)
+    truth = {1: 1.1, 2: 1.2, 3: 1.3, 4: 1.2, 5: 1.12, 6: 1.1}
+    line, by_batch = StepCorrection(), BatchStepCorrection(8, decay=0.98)
+    for _ in range(120):
+        b = int(rng.integers(1, 7))
+        measured = truth[b] * (FIXED + PER_ROW * b) * float(rng.lognormal(0.0, 0.03))
+        for fit in (line, by_batch):
+            fit.observe(measured, FIXED, PER_ROW, float(b))
+    fitted, _ = by_batch.factors(np.arange(1.0, 7.0))
+    assert np.allclose(fitted, list(truth.values()), rtol=0.03), fitted
+    assert abs(line.at(FIXED, PER_ROW, 3.0) - 1.3) > abs(float(fitted[2]) - 1.3) + 0.05
+
+
+def test_a_window_at_a_fractional_batch_splits_between_its_neighbours_and_batches_between_interpolate() -> None:
+    c = BatchStepCorrection(4, prior_weight=1e-9)  # no shrinkage: the ratios as measured
+    c.observe(1.2 * (FIXED + PER_ROW * 2.0), FIXED, PER_ROW, 2.0)
+    c.observe(1.6 * (FIXED + PER_ROW * 3.0), FIXED, PER_ROW, 3.0)
+    ratio_at_2_5, _ = c.factors(np.array([2.5]))
+    assert float(ratio_at_2_5[0]) == pytest.approx((1.2 + 1.6) / 2)  # each batch its own ratio, whatever its weight
+    c.observe(2.0 * (FIXED + PER_ROW * 2.5), FIXED, PER_ROW, 2.5)  # half to 2 rows, half to 3
+    assert c._w[1] == pytest.approx(0.81 + 0.5) and c._w[2] == pytest.approx(0.9 + 0.5)
+    below, beyond = c.factors(np.array([0.5, 9.0]))[0]
+    assert below == pytest.approx(c.ratios[0]) and beyond == pytest.approx(c.ratios[-1])  # held
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_batch": 0}, "max_batch must be >= 1, got 0"),
+    ({"max_batch": 4, "decay": 1.0}, r"decay must be in \[0, 1\), got 1.0"),
+    ({"max_batch": 4, "prior_weight": 0.0}, "prior_weight must be finite and > 0, got 0.0"),
+    ({"max_batch": 4, "bounds": (1.2, 4.0)}, "bounds must satisfy"),
+])
+def test_bad_settings_of_the_fit_by_batch_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchStepCorrection(**kwargs)
+
+
+def test_the_fit_by_batch_ignores_a_window_it_cannot_read() -> None:
+    c = BatchStepCorrection(4)
+    c.observe(float("nan"), FIXED, PER_ROW, 2.0)
+    c.observe(100.0, 0.0, 0.0, 2.0)
+    c.observe(100.0, FIXED, PER_ROW, float("nan"))
+    assert c.windows == 0 and np.array_equal(c.ratios, np.ones(4))

@@ -335,6 +335,7 @@ _TTFT_STEPS = 1.5
 #: How step-time fits correct the model: "line" (StepCorrection, fixed and per-row parts) or "batch"
 #: (BatchStepCorrection, a ratio per batch size).
 _STEP_FITS = frozenset({"line", "batch"})
+_ONE_ROW = np.ones(1)  # where a line's factors are read: the same at every batch
 _Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 
 
@@ -1008,29 +1009,23 @@ class ModelPredictivePolicy:
         keys = np.unique(k_max) if unique is None else unique[0]  # sorted
         now = None if probe is None else self.plain_step if probe else self._draft_fit(max(k_now, 1))
         at = np.searchsorted(keys, k_max) if unique is None else unique[1]
-        if self.step_fit == "batch":
+        by_rows = self.step_fit == "batch"  # else one pair of factors per k_max, whatever the batch
+        if by_rows:
             if batch is None:
                 raise ValueError("step_fit 'batch' corrects a step at a batch: pass batch")
             rows = np.broadcast_to(batch, k_max.shape)
-            fixed_at, per_row_at = np.empty(k_max.shape), np.empty(k_max.shape)
-            for j, k in enumerate(keys.tolist()):
-                sel = at == j
-                fit = self.plain_step if k == 0 else self._draft_fit(k)
-                fit_fixed, fit_per_row = fit.factors(rows[sel])
-                if now is not None and (k == 0) != probe:  # the kind not in force, while probing
-                    now_fixed, now_per_row = now.factors(rows[sel])
-                    fit_fixed, fit_per_row = np.minimum(fit_fixed, now_fixed), np.minimum(fit_per_row, now_per_row)
-                fixed_at[sel], per_row_at[sel] = fit_fixed, fit_per_row
-            return fixed_at, per_row_at
-        fixed, per_row = np.empty(keys.size), np.empty(keys.size)
+        size = k_max.shape if by_rows else keys.size
+        fixed, per_row = np.empty(size), np.empty(size)
         for j, k in enumerate(keys.tolist()):
+            where = at == j if by_rows else slice(j, j + 1)
+            at_rows = rows[where] if by_rows else _ONE_ROW
             fit = self.plain_step if k == 0 else self._draft_fit(k)
-            assert isinstance(fit, StepCorrection) and (now is None or isinstance(now, StepCorrection))
-            a, b = fit.fixed, fit.per_row
+            fit_fixed, fit_per_row = fit.factors(at_rows)
             if now is not None and (k == 0) != probe:  # the kind not in force, while probing
-                a, b = min(a, now.fixed), min(b, now.per_row)
-            fixed[j], per_row[j] = a, b
-        return fixed[at], per_row[at]
+                now_fixed, now_per_row = now.factors(at_rows)
+                fit_fixed, fit_per_row = np.minimum(fit_fixed, now_fixed), np.minimum(fit_per_row, now_per_row)
+            fixed[where], per_row[where] = fit_fixed, fit_per_row
+        return (fixed, per_row) if by_rows else (fixed[at], per_row[at])
 
     def _probing(self, active: np.ndarray, in_flight: int) -> bool | None:
         """Optimism where evidence is missing and the SLO is being missed: while a tier with traffic is

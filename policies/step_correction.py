@@ -25,6 +25,13 @@ import math
 import numpy as np
 
 
+def _check_decay_and_bounds(decay: float, bounds: tuple[float, float]) -> None:
+    if not (0 <= decay < 1):
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    if not (0 < bounds[0] <= 1 <= bounds[1]):
+        raise ValueError(f"bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
+
+
 class StepCorrection:
     """Measured / modelled step time as ``a·fixed + b·per_row·B``, fitted from windows online.
 
@@ -39,14 +46,11 @@ class StepCorrection:
 
     def __init__(self, decay: float = 0.9, slope_prior: float = 1.5, noise_prior: float = 0.1,
                  noise_weight: float = 2.0, bounds: tuple[float, float] = (0.25, 4.0)) -> None:
-        if not (0 <= decay < 1):
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        _check_decay_and_bounds(decay, bounds)
         for label, value in (("slope_prior", slope_prior), ("noise_prior", noise_prior),
                              ("noise_weight", noise_weight)):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{label} must be finite and > 0, got {value}")
-        if not (0 < bounds[0] <= 1 <= bounds[1]):
-            raise ValueError(f"bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
         self.decay, self.bounds = decay, bounds
         self.slope_prior, self.noise_prior, self.noise_weight = slope_prior, noise_prior, noise_weight
         # Decayed sums over windows: weight, s, s², ratio, ratio², s·ratio.
@@ -127,15 +131,13 @@ class BatchStepCorrection:
                  bounds: tuple[float, float] = (0.25, 4.0)) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if not (0 <= decay < 1):
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        _check_decay_and_bounds(decay, bounds)
         if not (prior_weight > 0 and math.isfinite(prior_weight)):
             raise ValueError(f"prior_weight must be finite and > 0, got {prior_weight}")
-        if not (0 < bounds[0] <= 1 <= bounds[1]):
-            raise ValueError(f"bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
         self.max_batch, self.decay, self.prior_weight, self.bounds = max_batch, decay, prior_weight, bounds
         self._w = np.zeros(max_batch)  # decayed weight per batch (index 0: one row)
         self._y = np.zeros(max_batch)  # decayed ratio sums per batch
+        self._rows = np.arange(1.0, max_batch + 1.0)
         self.ratios = np.ones(max_batch)  # the correction at 1..max_batch rows
         self.windows = 0
 
@@ -162,12 +164,12 @@ class BatchStepCorrection:
 
     def factors(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The correction at each of ``batch`` (rows) as (fixed, per-row) factors: both the same ratio."""
-        ratio = np.interp(batch, np.arange(1.0, self.max_batch + 1.0), self.ratios)
+        ratio = np.interp(batch, self._rows, self.ratios)
         return ratio, ratio
 
     def at(self, fixed_ms: float, per_row_ms: float, batch: float) -> float:
         """The correction of a whole step at ``batch`` rows (for reports)."""
-        return float(np.interp(batch, np.arange(1.0, self.max_batch + 1.0), self.ratios))
+        return float(np.interp(batch, self._rows, self.ratios))
 
     def summary(self) -> str:
         """The ratio at each batch size, for a decision's reason."""

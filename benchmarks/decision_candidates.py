@@ -4,7 +4,9 @@ For every adaptive run in the ticks file (by default those whose recorded spec i
 spec, ``sim.decision_replay`` feeds the recorded windows through a fresh policy of that spec (the recorded operating
 model and SLO) and reports, per run: the first tick where it decides otherwise than the live policy did, the first
 tick at or after ``--burst-s`` where it drafts for ``--tier`` (k > 0: it has left plain decoding), and the ticks
-before ``--burst-s`` (the light phase) where it drafts at T > 0 (spends distortion; T = 0 drafting is lossless).
+before ``--burst-s`` (the light phase) where it drafts at T > 0 (spends distortion; T = 0 drafting is lossless);
+from ``--burst-s`` to ``--burst-end-s`` (the high phase), the ticks it drafts at T > 0 and its relaxes while drafting
+(a tick that drafts followed by one at a lower T or k, plain decoding included: the requests decoding through it pay).
 Times are seconds after the run's first tick. A candidate's ticks after its first difference are read on windows
 the live choices produced (open loop): a guide to what it would have chosen, not its outcome. Prints JSON (and
 writes ``--out``)::
@@ -16,6 +18,7 @@ writes ``--out``)::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tier", default="economy")
     ap.add_argument("--burst-s", type=float, required=True, help="seconds after a run's first tick where the high "
                     "phase starts (before it: the light phase)")
+    ap.add_argument("--burst-end-s", type=float, default=None, help="seconds after a run's first tick where the high "
+                    "phase ends (default: the run's end)")
     ap.add_argument("--run", action="append", help="NAME:ROUND (default: every run whose spec is not static)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -66,10 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             ticks = replay(span, build_policy(spec or span.spec, slo, span.operating_model, span.replica_bounds), slo)
             t0 = ticks[0].time_s
             drafting = [(round(t.time_s - t0, 1), d) for t in ticks if (d := _drafts(t.replayed, args.tier))]
+            end = math.inf if args.burst_end_s is None else args.burst_end_s
+            burst = [_drafts(t.replayed, args.tier) or (0.0, 0) for t in ticks if args.burst_s <= t.time_s - t0 < end]
             rows[name] = {
                 "first_difference_s": next((round(t.time_s - t0, 1) for t in ticks if not t.same), None),
                 "first_draft_from_burst_s": next((s for s, _ in drafting if s >= args.burst_s), None),
                 "light_phase_lossy": [[s, *d] for s, d in drafting if s < args.burst_s and (d[0] or 0) > 0],
+                "burst_lossy_ticks": sum(1 for t, k in burst if k and (t or 0) > 0),
+                "burst_relaxes": sum(1 for (t0_, k0), (t1, k1) in zip(burst, burst[1:], strict=False)
+                                     if k0 and (k1 < k0 or (t1 or 0) < (t0_ or 0))),
             }
         out["runs"][label] = rows
     emit(out, args.out)

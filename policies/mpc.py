@@ -495,6 +495,12 @@ class ModelPredictivePolicy:
       the larger of the two, so it rises within a few windows of a burst's onset and falls over ``rate_decay``'s
       (session 31: on seed 37's recorded windows, 0.85 leaves plain decoding at the burst's first cluster 6 s
       sooner; it also reads a light phase's clusters, so it drafts more where plain decoding meets).
+    * ``relax_delay_s`` — a tier moves to a point of less modelled distortion than the one in force (a lower T,
+      a shorter k, plain decoding) only once every decision over this many seconds wanted it (0: at once). A
+      request's TPOT is its mean over its life: a point relaxed for a window or two while the rows dip is paid by
+      every request decoding through it (session 34: 29 of the 50 misses of the shipped policy's live step-load
+      runs, seeds 37–48, lived through such a drop). More distortion is taken at once (cf. Ray Serve's
+      ``upscale_delay_s`` / ``downscale_delay_s``).
     """
 
     name = "mpc"
@@ -534,6 +540,7 @@ class ModelPredictivePolicy:
         rate_rise_decay: float = 0.0,
         queue_joins: bool = True,
         step_fit: str = "line",
+        relax_delay_s: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -596,6 +603,9 @@ class ModelPredictivePolicy:
             raise ValueError(f"rate_rise_decay must be in [0, 1), got {rate_rise_decay}")
         self.rate_rise_decay = rate_rise_decay
         self.queue_joins = queue_joins
+        if not (math.isfinite(relax_delay_s) and relax_delay_s >= 0):
+            raise ValueError(f"relax_delay_s must be finite and >= 0, got {relax_delay_s}")
+        self.relax_delay_s = relax_delay_s
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -619,6 +629,10 @@ class ModelPredictivePolicy:
         self._curves = {k: self.model.curve(k) for k in self.model.draft_lengths}  # per tick in _observe
         self._batch_curves = {k: self.model.batch_curve(k) for k in self.model.draft_lengths}
         self._candidates = {name: self._tier_candidates(slo.tiers[name]) for name in self.tier_names}
+        # Each tier's modelled distortion by (k, T) point: the point in force's, for relax_delay_s.
+        self._point_distortion = {
+            name: {(int(k), float(t)): float(d) for k, t, d in zip(c.ks, c.thresholds, c.distortion, strict=True)}
+            for name, c in self._candidates.items()}
         # Evaluate only the within-budget product (see decide); False evaluates every joint candidate
         # (the reference the tests compare the pruning against).
         self._prune_by_budget = True
@@ -763,6 +777,9 @@ class ModelPredictivePolicy:
         self.spread = {name: {"tpot": self.spread_prior, "ttft": self.spread_prior} for name in self.tier_names}
         self.short = {name: False for name in self.tier_names}
         self.current: dict[str, tuple[float, int]] = {}
+        # Per tier: the time of the first decision in the current run of decisions that wanted less distortion
+        # than the point in force (relax_delay_s).
+        self._relax_since: dict[str, float] = {}
         self._best_effort: dict[str, bool] = {}
         # The (T, k) per tier of the last two windows: a window is steady when both ran its (T, k).
         self._last_configs: list[dict[str, tuple[float, int | None]]] = []
@@ -1401,57 +1418,69 @@ class ModelPredictivePolicy:
         # Best-effort tiers (no latency target) still want speed: their share-weighted TPOT comes
         # before cost, so a lossless tier is not parked at k = 0 inside a batch that drafts anyway.
         best_effort_tiers = [i for i in act_idx if not self.slo.tiers[self.tier_names[i]].has_latency_target]
-        all_meet = within.copy()
-        for i in range(n_t):  # meets.all(axis=1) & within, without numpy's slow short-axis reduction
-            all_meet &= meets[:, i]
-        if all_meet.any():
-            pool = np.flatnonzero(all_meet)
-            mode = "meets"
-        else:
-            pool = np.flatnonzero(within)
-            mode = "best effort"
-        # a[take] holds a[pool]'s values; a view, not a copy, when the pool is every candidate (the
-        # budget-pruned universe's best effort: every tick of an overloaded hour).
-        take: np.ndarray | slice = slice(None) if pool.size == n else pool
-        best_effort_tpot = np.round(_row_sums(tpot_ranked[take][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
-        distortion_pool = u.base_distortion[take] * self.distortion_correction
-        distortion_keys = [np.round(distortion_pool[:, i], 4) for i in self._distortion_order]
-        if mode == "meets":
-            keys = [cost[take], best_effort_tpot, *reversed(distortion_keys)]
-        else:
-            # Per tier as contiguous columns (numpy works a strided column of [pool, tiers] slower).
-            violation = [np.zeros(pool.size) for _ in range(n_t)]
-            attained = [np.ones(pool.size) for _ in range(n_t)]
-            now = self._current_index(act_idx, u.tier_points)
-            if now is not None and not within[now]:
-                now = None  # out of budget: not a candidate (as in a budget-pruned universe)
-            for i, tier_ratios in ratios.items():
-                name = self.tier_names[i]
-                spreads = [self.spread[name][metric] for metric, _ in tier_ratios]
-                z = self._attainment_z[name]
-                measured = self.measured_attainment[name]
-                if now is not None and math.isfinite(measured):
-                    z = _anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
-                for (_, ratio), spread in zip(tier_ratios, spreads, strict=True):
-                    ratio_pool = ratio[take]
-                    violation[i] += np.maximum(ratio_pool - 1.0, 0.0)
-                    attained[i] *= _normal_cdf(z - np.log(ratio_pool) / spread)
-            # The objective where no candidate meets: the most attainment. Each tier's share of requests
-            # meeting its targets, predicted from how far each candidate moves its latencies against its
-            # targets (in the spread of its requests' latencies): from what is measured at the point in
-            # force, or (none measured yet) a tier predicted at its target (margin included) at its target
-            # share. Not "tiers that meet" (0 or 1 each): with that a tier predicted to miss counted
-            # nothing whatever its step, and a loose tier drafting (to meet) at a full batch tripled the
-            # step of a tight tier that still met half its requests at k = 0 (set F, session 17).
-            predicted_attainment = _weighted_column_sums(attained, shares)
-            weighted_violation = _weighted_column_sums(violation, shares)
-            # Most attainment, then the smallest violation, then the fastest (the cost order lets the
-            # loose tiers spend their budget on capacity), then least distortion.
-            keys = [*reversed(distortion_keys), np.round(cost[take], 2), best_effort_tpot,
-                    np.round(weighted_violation, 2), -np.round(predicted_attainment, 3)]
-        chosen = _lexmin(keys)
-        best = int(pool[chosen])
-        best_distortion = distortion_pool[chosen]
+
+        def select(allowed: np.ndarray | None) -> tuple[int, str, np.ndarray]:
+            """The objective's choice among the candidates within budget (and ``allowed``, where given): the
+            joint candidate's index, the mode ("meets" / "best effort") and its corrected distortion per tier."""
+            eligible = within if allowed is None else within & allowed
+            all_meet = eligible.copy()
+            for i in range(n_t):  # meets.all(axis=1) & within, without numpy's slow short-axis reduction
+                all_meet &= meets[:, i]
+            if all_meet.any():
+                pool = np.flatnonzero(all_meet)
+                mode = "meets"
+            else:
+                pool = np.flatnonzero(eligible)
+                mode = "best effort"
+            # a[take] holds a[pool]'s values; a view, not a copy, when the pool is every candidate (the
+            # budget-pruned universe's best effort: every tick of an overloaded hour).
+            take: np.ndarray | slice = slice(None) if pool.size == n else pool
+            best_effort_tpot = np.round(
+                _row_sums(tpot_ranked[take][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
+            distortion_pool = u.base_distortion[take] * self.distortion_correction
+            distortion_keys = [np.round(distortion_pool[:, i], 4) for i in self._distortion_order]
+            if mode == "meets":
+                keys = [cost[take], best_effort_tpot, *reversed(distortion_keys)]
+            else:
+                # Per tier as contiguous columns (numpy works a strided column of [pool, tiers] slower).
+                violation = [np.zeros(pool.size) for _ in range(n_t)]
+                attained = [np.ones(pool.size) for _ in range(n_t)]
+                now = self._current_index(act_idx, u.tier_points)
+                if now is not None and not eligible[now]:
+                    now = None  # out of budget: not a candidate (as in a budget-pruned universe)
+                for i, tier_ratios in ratios.items():
+                    name = self.tier_names[i]
+                    spreads = [self.spread[name][metric] for metric, _ in tier_ratios]
+                    z = self._attainment_z[name]
+                    measured = self.measured_attainment[name]
+                    if now is not None and math.isfinite(measured):
+                        z = _anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
+                    for (_, ratio), spread in zip(tier_ratios, spreads, strict=True):
+                        ratio_pool = ratio[take]
+                        violation[i] += np.maximum(ratio_pool - 1.0, 0.0)
+                        attained[i] *= _normal_cdf(z - np.log(ratio_pool) / spread)
+                # The objective where no candidate meets: the most attainment. Each tier's share of requests
+                # meeting its targets, predicted from how far each candidate moves its latencies against its
+                # targets (in the spread of its requests' latencies): from what is measured at the point in
+                # force, or (none measured yet) a tier predicted at its target (margin included) at its target
+                # share. Not "tiers that meet" (0 or 1 each): with that a tier predicted to miss counted
+                # nothing whatever its step, and a loose tier drafting (to meet) at a full batch tripled the
+                # step of a tight tier that still met half its requests at k = 0 (set F, session 17).
+                predicted_attainment = _weighted_column_sums(attained, shares)
+                weighted_violation = _weighted_column_sums(violation, shares)
+                # Most attainment, then the smallest violation, then the fastest (the cost order lets the
+                # loose tiers spend their budget on capacity), then least distortion.
+                keys = [*reversed(distortion_keys), np.round(cost[take], 2), best_effort_tpot,
+                        np.round(weighted_violation, 2), -np.round(predicted_attainment, 3)]
+            chosen = _lexmin(keys)
+            return int(pool[chosen]), mode, distortion_pool[chosen]
+
+        best, mode, best_distortion = select(None)
+        held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s)
+        holding = ""
+        if held is not None and (within & held[0]).any():
+            best, mode, best_distortion = select(held[0])
+            holding = "; held (relax_delay_s): " + ", ".join(held[1])
         self._best_effort = {
             name: bool(active[i] and not meets[best, i]) for i, name in enumerate(self.tier_names)
         }
@@ -1492,9 +1521,35 @@ class ModelPredictivePolicy:
         batch_cap = (int(cap[best]) or None) if mode == "meets" else None
         if batch_cap is not None:
             reason += f"; batch capped at {batch_cap}"
+        reason += holding
         self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, batch_cap=batch_cap,
                                       replicas=wanted, reason=reason)
         return self.last_decision
+
+    def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int,
+              time_s: float) -> tuple[np.ndarray, list[str]] | None:
+        """With ``relax_delay_s``: the candidates that keep every tier the choice ``best`` relaxes too soon at no less
+        modelled distortion (``distortion``: [candidates, tiers]) than its point in force, and those tiers' names;
+        None where no tier is held. Starts, continues or ends each tier's run of decisions wanting to relax."""
+        if self.relax_delay_s <= 0 or not self.current:
+            return None
+        allowed: np.ndarray | None = None
+        names: list[str] = []
+        for i in act_idx:
+            name = self.tier_names[i]
+            t_now, k_now = self.current.get(name, (math.nan, 0))
+            in_force = self._point_distortion[name].get((k_now, t_now))
+            if in_force is None or in_force <= 0 or distortion[best, i] >= in_force - 1e-9:
+                self._relax_since.pop(name, None)  # nothing to relax from, or not relaxing: the run ends
+                continue
+            since = self._relax_since.setdefault(name, time_s)
+            if time_s - since >= self.relax_delay_s - 1e-9:
+                self._relax_since.pop(name)  # relaxed now: a new point in force, a new run
+                continue
+            keep = distortion[:, i] >= in_force - 1e-9
+            allowed = keep if allowed is None else allowed & keep
+            names.append(f"{name} at T={t_now:.3g} k={k_now} for {self.relax_delay_s - (time_s - since):.2g} s")
+        return None if allowed is None else (allowed, names)
 
     def _capped(self, corrected_line: Any, tokens_model: np.ndarray, by_batch: np.ndarray | None,
                 ks_plus_1: np.ndarray, shares: np.ndarray, stall: np.ndarray, catch_up: np.ndarray,
@@ -1645,6 +1700,7 @@ class ModelPredictivePolicy:
             "rate_rise_decay": self.rate_rise_decay,
             "queue_joins": self.queue_joins,
             "step_fit": self.step_fit,
+            "relax_delay_s": self.relax_delay_s,
         }
 
     def __repr__(self) -> str:

@@ -146,6 +146,8 @@ class MPCParams(_Params):
     queue_joins: bool = Field(True, description="plan every candidate for at least the rows running plus those "
                               "queued where the batch has room (they join at the next step); false: the rows running "
                               "alone (the default before session 31)")
+    relax_delay_s: float = Field(0.0, ge=0, description="a tier moves to a point of less distortion than the one in "
+                                 "force only once every decision over this many seconds wanted it (0: at once)")
 
 
 class QualityParams(_Params):

@@ -26,5 +26,13 @@ def test_candidates_on_a_ticks_file(tmp_path: Path) -> None:
     assert rows["plain"]["first_difference_s"] is not None
     assert rows["plain"]["first_draft_from_burst_s"] is None and rows["plain"]["light_phase_lossy"] == []
     assert all(t > 0 and k > 0 and s < 60 for s, t, k in rows["recorded"]["light_phase_lossy"])
+    # The high phase's counts, from the recorded decisions themselves (the recorded spec replays them exactly).
+    decided = [e for e in history if e.get("decision")]
+    burst = [(e["decision"]["thresholds"]["standard"], e["decision"]["draft_lengths"]["standard"]) for e in decided
+             if e["time_s"] - decided[0]["time_s"] >= 60]
+    assert rows["plain"]["burst_lossy_ticks"] == 0 and rows["plain"]["burst_relaxes"] == 0
+    assert rows["recorded"]["burst_lossy_ticks"] == sum(1 for t, k in burst if k and t > 0)
+    assert rows["recorded"]["burst_relaxes"] == sum(1 for (t0_, k0), (t1, k1) in zip(burst, burst[1:], strict=False)
+                                                    if k0 and (k1 < k0 or t1 < t0_))
     with pytest.raises(SystemExit, match="--candidate 'recorded=.*the recorded spec's row"):
         main([str(path), "--burst-s", "60", "--candidate", 'recorded={"policy": "slo"}'])

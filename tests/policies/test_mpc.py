@@ -1178,3 +1178,30 @@ def test_with_queue_joins_the_queued_requests_are_planned_into_the_batch() -> No
     assert "batch 3, step 91 ms, queue 1/replica" in reason(1, queue_joins=False)
     assert "batch 4, step 99 ms, queue 1/replica" in reason(1)
     assert reason(0, queue_joins=False) == reason(0)
+
+
+def test_a_relax_waits_for_relax_delay_s_of_decisions_wanting_it_and_a_rise_does_not() -> None:
+    """Six rows need T = 4, k = 4 for a 50 ms TPOT target, two rows T = 0. With relax_delay_s 3 (1 s windows) the
+    point in force holds through three decisions that want less distortion and relaxes at the fourth; a rise back to
+    six rows is taken at once, and starts the wait afresh. Without it the point follows the rows."""
+    slo = SLOSpec(tiers={"economy": TierSLO(tpot_ms=50.0, ttft_ms=4000.0, max_threshold=4.0, max_mean_distortion=0.5)},
+                  default_tier="economy")
+    rows = [1, 1, 6, 6, 6, 2, 2, 2, 2, 2, 6, 2, 2, 2, 2, 2]
+
+    def run(delay: float) -> list[tuple[float, int, bool]]:
+        policy = ModelPredictivePolicy(slo, toy_model(), initial_margin=1.0, relax_delay_s=delay)
+        out = []
+        for tick, running in enumerate(rows):
+            d = policy.decide(load(running, arrivals=0, tiers=window("economy", k=0), time_s=float(tick + 1)))
+            out.append((d.thresholds["economy"], d.draft_lengths["economy"], "held (relax_delay_s)" in d.reason))
+        return out
+
+    high, low = (4.0, 4, False), (0.0, 2, False)
+    assert run(0.0) == [low, low, high, high, high, low, low, low, low, low, high, low, low, low, low, low]
+    held = (4.0, 4, True)
+    assert run(3.0) == [low, low, high, high, high, held, held, held, low, low, high, held, held, held, low, low]
+    policy = ModelPredictivePolicy(slo, toy_model(), relax_delay_s=2.5)
+    assert policy.params()["relax_delay_s"] == 2.5 and "relax_delay_s=2.5" in repr(policy)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=f"relax_delay_s must be finite and >= 0, got {bad}"):
+            ModelPredictivePolicy(slo, toy_model(), relax_delay_s=bad)

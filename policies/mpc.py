@@ -496,7 +496,9 @@ class ModelPredictivePolicy:
       (session 31: on seed 37's recorded windows, 0.85 leaves plain decoding at the burst's first cluster 6 s
       sooner; it also reads a light phase's clusters, so it drafts more where plain decoding meets).
     * ``relax_delay_s`` — a tier moves to a point of less modelled distortion than the one in force (a lower T,
-      a shorter k, plain decoding) only once every decision over this many seconds wanted it (0: at once). A
+      a shorter k, plain decoding) to save distortion (every target predicted met) only once every decision over this
+      many seconds wanted it, and where the point in force, or another as distorting, is predicted to meet too (0: at
+      once; the default since session 34, 4 s, is about the life of a 48-token request on the default pair). A
       request's TPOT is its mean over its life: a point relaxed for a window or two while the rows dip is paid by
       every request decoding through it (session 34: 29 of the 50 misses of the shipped policy's live step-load
       runs, seeds 37–48, lived through such a drop). More distortion is taken at once (cf. Ray Serve's
@@ -540,7 +542,7 @@ class ModelPredictivePolicy:
         rate_rise_decay: float = 0.0,
         queue_joins: bool = True,
         step_fit: str = "line",
-        relax_delay_s: float = 0.0,
+        relax_delay_s: float = 4.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -1476,11 +1478,21 @@ class ModelPredictivePolicy:
             return int(pool[chosen]), mode, distortion_pool[chosen]
 
         best, mode, best_distortion = select(None)
-        held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s)
         holding = ""
-        if held is not None and (within & held[0]).any():
-            best, mode, best_distortion = select(held[0])
-            holding = "; held (relax_delay_s): " + ", ".join(held[1])
+        # A relax waits only where it saves distortion: a choice made because every target is predicted met. Where
+        # none is ("best effort", a probe while short) a point of less distortion is chosen for speed: at once.
+        held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s) if mode == "meets" else None
+        if mode != "meets":
+            self._relax_since.clear()
+        if held is not None:
+            allowed, names, notes = held
+            choice = select(allowed) if (within & allowed).any() else None
+            if choice is not None and choice[1] == "meets":
+                best, mode, best_distortion = choice
+                holding = "; held (relax_delay_s): " + ", ".join(notes)
+            else:  # nothing as distorting is predicted to meet: relax now
+                for name in names:
+                    self._relax_since.pop(name, None)
         self._best_effort = {
             name: bool(active[i] and not meets[best, i]) for i, name in enumerate(self.tier_names)
         }
@@ -1527,14 +1539,16 @@ class ModelPredictivePolicy:
         return self.last_decision
 
     def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int,
-              time_s: float) -> tuple[np.ndarray, list[str]] | None:
+              time_s: float) -> tuple[np.ndarray, list[str], list[str]] | None:
         """With ``relax_delay_s``: the candidates that keep every tier the choice ``best`` relaxes too soon at no less
-        modelled distortion (``distortion``: [candidates, tiers]) than its point in force, and those tiers' names;
-        None where no tier is held. Starts, continues or ends each tier's run of decisions wanting to relax."""
+        modelled distortion (``distortion``: [candidates, tiers]) than its point in force, those tiers' names and a
+        note on each; None where no tier is held. Starts, continues or ends each tier's run of decisions wanting to
+        relax."""
         if self.relax_delay_s <= 0 or not self.current:
             return None
         allowed: np.ndarray | None = None
         names: list[str] = []
+        notes: list[str] = []
         for i in act_idx:
             name = self.tier_names[i]
             t_now, k_now = self.current.get(name, (math.nan, 0))
@@ -1548,8 +1562,9 @@ class ModelPredictivePolicy:
                 continue
             keep = distortion[:, i] >= in_force - 1e-9
             allowed = keep if allowed is None else allowed & keep
-            names.append(f"{name} at T={t_now:.3g} k={k_now} for {self.relax_delay_s - (time_s - since):.2g} s")
-        return None if allowed is None else (allowed, names)
+            names.append(name)
+            notes.append(f"{name} at T={t_now:.3g} k={k_now} for {self.relax_delay_s - (time_s - since):.2g} s")
+        return None if allowed is None else (allowed, names, notes)
 
     def _capped(self, corrected_line: Any, tokens_model: np.ndarray, by_batch: np.ndarray | None,
                 ks_plus_1: np.ndarray, shares: np.ndarray, stall: np.ndarray, catch_up: np.ndarray,

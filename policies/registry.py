@@ -146,8 +146,9 @@ class MPCParams(_Params):
     queue_joins: bool = Field(True, description="plan every candidate for at least the rows running plus those "
                               "queued where the batch has room (they join at the next step); false: the rows running "
                               "alone (the default before session 31)")
-    relax_delay_s: float = Field(0.0, ge=0, description="a tier moves to a point of less distortion than the one in "
-                                 "force only once every decision over this many seconds wanted it (0: at once)")
+    relax_delay_s: float = Field(4.0, ge=0, description="a tier moves to a point of less distortion than the one in "
+                                 "force only once every decision over this many seconds wanted it (0: at once, the "
+                                 "default before session 34)")
 
 
 class QualityParams(_Params):
@@ -238,6 +239,13 @@ _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Pol
     "bandit": (BanditParams, _build_bandit),
     "feedforward": (FeedForwardParams, _build_feedforward),
     "mpc": (MPCParams, _build_mpc),
+}
+
+#: Parameters added with a default that changes what the policy did before them, per policy name, with the value
+#: that does what it did. A resolved spec (every parameter written out, ``resolve_spec``) recorded before one of them
+#: existed lacks it; filled with this value, it rebuilds the policy that ran (``sim.decision_replay``).
+ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {
+    "mpc": {"relax_delay_s": 0.0},  # session 34: default 4 s
 }
 
 #: Names ``make_policy`` accepts.

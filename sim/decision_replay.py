@@ -24,6 +24,7 @@ from typing import Any
 from policies.base import Policy
 from policies.decision import decision_to_json
 from policies.mpc import OperatingModel
+from policies.registry import ADDED_SINCE_RECORDED
 from policies.slo import SLOSpec
 from policies.telemetry import telemetry_from_json
 from policies.tiers import seed_policy
@@ -48,8 +49,13 @@ class PolicySpan:
         if self.event is None:
             return None
         event: Mapping[str, Any] = self.event["event"]
-        spec: Mapping[str, Any] = event.get("resolved_policy") or event["policy"]
-        return spec
+        resolved: Mapping[str, Any] | None = event.get("resolved_policy")
+        if resolved is None:
+            spec: Mapping[str, Any] = event["policy"]
+            return spec
+        # Written out before a parameter existed: that parameter at the value that does what the policy did then.
+        added = ADDED_SINCE_RECORDED.get(str(resolved.get("policy")), {})
+        return {**{k: v for k, v in added.items() if k not in resolved}, **resolved}
 
     @property
     def slo(self) -> SLOSpec | None:

@@ -1200,6 +1200,7 @@ def test_a_relax_waits_for_relax_delay_s_of_decisions_wanting_it_and_a_rise_does
     assert run(0.0) == [low, low, high, high, high, low, low, low, low, low, high, low, low, low, low, low]
     held = (4.0, 4, True)
     assert run(3.0) == [low, low, high, high, high, held, held, held, low, low, high, held, held, held, low, low]
+    assert ModelPredictivePolicy(slo, toy_model()).relax_delay_s == 4.0  # the default since session 34
     policy = ModelPredictivePolicy(slo, toy_model(), relax_delay_s=2.5)
     assert policy.params()["relax_delay_s"] == 2.5 and "relax_delay_s=2.5" in repr(policy)
     for bad in (-1.0, math.inf, math.nan):

@@ -85,13 +85,14 @@ class Recorder:
         self.inner.reset()
 
 
-def recorded_history(spec: dict[str, Any], slo: SLOSpec) -> list[dict[str, Any]]:
-    """Two minutes of a three-tier load on two replicas under ``spec``, as a controller's status history records
-    it (strict JSON): a resume event, the policy event (spec as given and written out, SLO, operating model),
-    then one entry per tick."""
+def recorded_history(spec: dict[str, Any], slo: SLOSpec, **workload: Any) -> list[dict[str, Any]]:
+    """Two minutes of a three-tier load (fields of ``workload`` override it) on two replicas under ``spec``, as a
+    controller's status history records it (strict JSON): a resume event, the policy event (spec as given and
+    written out, SLO, operating model), then one entry per tick."""
     profile = handmade_profile()
     recorder = Recorder(build_policy(spec, slo, profile_model(profile)))
-    run_sim(Workload.from_dict({**MIXED_TIERS, "duration_s": 120.0}), recorder, slo=slo, profile=profile, replicas=2, seed=3)
+    run_sim(Workload.from_dict({**MIXED_TIERS, "duration_s": 120.0, **workload}), recorder, slo=slo, profile=profile,
+            replicas=2, seed=3)
     event = {"time_s": 0.0, "thresholds": {}, "decision": None, "telemetry": None, "slo": slo.model_dump(mode="json"),
              "operating_model": profile_model(profile).to_dict(),
              "event": {"kind": "policy", "policy": spec, "resolved_policy": resolve_spec(spec), "previous_policy": spec}}

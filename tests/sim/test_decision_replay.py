@@ -54,6 +54,23 @@ def test_a_history_replays_exactly_after_a_default_changed() -> None:
     assert summary(replay(as_given, build_policy(as_given.spec, slo, model), slo))["differ"] > 0
 
 
+def test_a_resolved_spec_from_before_a_parameter_existed_replays_without_it() -> None:
+    """A spec written out before ``relax_delay_s`` existed (session 34, default 4 s) lacks it: the policy that ran
+    had no delay, and the replay rebuilds that one (0 s), equal at every tick. Filled with today's default, the same
+    history (an economy step load 0.3 → 1.5 → 0.3 req/s, where the delay holds T) replays otherwise."""
+    slo = SLOSpec.default()
+    ran = {"policy": "slo", "relax_delay_s": 0.0}
+    steps = [{"at_s": 0, "rate": 0.3}, {"at_s": 40, "rate": 1.5}, {"at_s": 80, "rate": 0.3}]
+    history = recorded_history(ran, slo, arrivals={"kind": "step", "steps": steps}, tier_mix={"economy": 1.0})
+    del history[1]["event"]["resolved_policy"]["relax_delay_s"]
+    model = profile_model(handmade_profile())
+    span = last_policy_span(history)
+    assert span.spec["relax_delay_s"] == 0.0 and span.spec == resolve_spec(ran)
+    assert summary(replay(span, build_policy(span.spec, slo, model), slo))["differ"] == 0
+    today = {k: v for k, v in span.spec.items() if k != "relax_delay_s"}
+    assert summary(replay(span, build_policy(today, slo, model), slo))["differ"] > 0
+
+
 def test_history_files_read_back_by_label(tmp_path: Path) -> None:
     history = [{"time_s": 1.0, "telemetry": to_json(Telemetry(time_s=1.0, window_s=1.0)), "decision": None}]
     status = tmp_path / "status.json"

@@ -57,7 +57,10 @@ first), then the best-effort tiers' TPOT (tiers without a latency target still w
 least cost (step ms per output token). Where none is feasible: within budget, the most traffic share
 predicted to meet its targets, then the smallest share-weighted violation, then the best-effort TPOT,
 then the least cost (which lets the loose tiers spend budget on capacity), then least distortion. Tiers without traffic get their least-distortion T and the k of the busiest
-tier (they must not widen the batch's draft).
+tier (they must not widen the batch's draft). A choice that meets and gives a tier less distortion than its
+point in force waits ``relax_delay_s`` (every decision over it wanting less) where a choice at least as
+distorting meets too: a request's TPOT is its mean over its life, so a dip for a window is paid by every
+request decoding through it.
 
 **Replicas (the hand-off to the autoscaler)**: with ``max_replicas`` set the policy also emits
 ``Decision.replicas``: the fewest replicas in ``[min_replicas, max_replicas]`` at which the tiers'

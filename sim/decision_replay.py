@@ -24,7 +24,7 @@ from typing import Any
 from policies.base import Policy
 from policies.decision import decision_to_json
 from policies.mpc import OperatingModel
-from policies.registry import ADDED_SINCE_RECORDED
+from policies.registry import ADDED_SINCE_RECORDED, resolve_spec
 from policies.slo import SLOSpec
 from policies.telemetry import telemetry_from_json
 from policies.tiers import seed_policy
@@ -45,17 +45,28 @@ class PolicySpan:
     @property
     def spec(self) -> Mapping[str, Any] | None:
         """The spec that built the policy: written out in full where the history has it (it rebuilds the same
-        policy after a default changed), else as it was given."""
+        policy after a default changed), else as it was given under today's defaults; either way a parameter added
+        since the recording (``policies.registry.ADDED_SINCE_RECORDED``) at the value that did what ran."""
         if self.event is None:
             return None
         event: Mapping[str, Any] = self.event["event"]
-        resolved: Mapping[str, Any] | None = event.get("resolved_policy")
-        if resolved is None:
-            spec: Mapping[str, Any] = event["policy"]
-            return spec
-        # Written out before a parameter existed: that parameter at the value that does what the policy did then.
-        added = ADDED_SINCE_RECORDED.get(str(resolved.get("policy")), {})
-        return {**{k: v for k, v in added.items() if k not in resolved}, **resolved}
+        recorded: Mapping[str, Any] | None = event.get("resolved_policy")
+        if recorded is not None:
+            base: Mapping[str, Any] = recorded
+            keep = set(recorded)  # written out: every parameter it holds is what ran
+        else:
+            # From before specs were written out, so before every parameter in ADDED_SINCE_RECORDED: today's
+            # defaults, those at what they were, what was given as given.
+            given = event["policy"]
+            try:
+                base = resolve_spec(given)
+            except ValueError:
+                spec: Mapping[str, Any] = given
+                return spec
+            keep = set(given) if isinstance(given, Mapping) else set()
+        # A parameter added since: at the value that does what the policy did then.
+        added = ADDED_SINCE_RECORDED.get(str(base.get("policy")), {})
+        return {**base, **{k: v for k, v in added.items() if k not in keep}}
 
     @property
     def slo(self) -> SLOSpec | None:

@@ -23,16 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import emit  # noqa: E402
-from benchmarks.stats import ci95  # noqa: E402
-
-
-def sign_test_p(wins: int, losses: int) -> float:
-    """Exact two-sided sign-test p-value for ``wins`` against ``losses`` (ties dropped before)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2.0**n
-    return min(1.0, 2.0 * tail)
+from benchmarks.stats import ci95, sign_test_p  # noqa: E402
 
 
 def _config(report: dict[str, Any], name: str, path: str) -> dict[str, Any]:

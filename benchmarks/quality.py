@@ -50,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import humaneval  # noqa: E402
+from benchmarks.stats import sign_test_p  # noqa: E402
 
 DEFAULT_PAIR = "qwen2.5-coder-1.5b"
 DEFAULT_SETTINGS = "target,sd,kl@0.05,kl@0.3,kl@1.0,kl@3.0,pure/kl@1.0"
@@ -286,14 +287,6 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def mcnemar_exact_p(only_a: int, only_b: int) -> float:
-    """Two-sided exact McNemar p-value from the discordant pair counts (1.0 when there are none)."""
-    from scipy.stats import binomtest
-
-    total = only_a + only_b
-    return 1.0 if total == 0 else float(binomtest(only_a, total, 0.5).pvalue)
-
-
 def summarize(
     records: Iterable[dict[str, Any]], settings: Sequence[str], modes: Sequence[str]
 ) -> dict[str, Any]:
@@ -355,7 +348,7 @@ def summarize(
                     "pass_at_1_diff": row["pass_at_1"] - rows["sd"]["pass_at_1"],
                     "solved_only_by_sd": only_sd,
                     "solved_only_by_this": only_own,
-                    "mcnemar_exact_p": mcnemar_exact_p(only_sd, only_own),
+                    "mcnemar_exact_p": sign_test_p(only_sd, only_own),
                     "within_sd_ci95": low <= row["pass_at_1"] <= high,
                 }
         summary["modes"][mode] = {"tasks": tasks, "settings": rows}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.load_pool import main, sign_test_p
+from benchmarks.load_pool import main
+from benchmarks.stats import sign_test_p
 
 
 def _report(tmp_path: Path, seed: int, configs: dict[str, float], held: dict[str, bool]) -> str:
@@ -20,7 +21,11 @@ def _report(tmp_path: Path, seed: int, configs: dict[str, float], held: dict[str
 
 
 def test_sign_test_is_the_exact_binomial() -> None:
+    from scipy.stats import binomtest
+
     assert sign_test_p(5, 0) == pytest.approx(2 / 32)
+    for wins, losses in ((7, 2), (1, 9), (4, 4), (12, 3)):
+        assert sign_test_p(wins, losses) == pytest.approx(binomtest(wins, wins + losses, 0.5).pvalue)
     assert sign_test_p(3, 1) == pytest.approx(2 * 5 / 16)
     assert sign_test_p(0, 0) == 1.0 and sign_test_p(2, 2) == 1.0
 

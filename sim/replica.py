@@ -47,12 +47,16 @@ import numpy as np
 
 from sim.entities import RequestTable, WindowBins
 from sim.profile import LatencyModel, shifted_acceptance
+from sim.segment_kernel import draw_segment
 
 _B = WindowBins.BASE
 _BATCH_CACHE_SIZE = 50_000  # entries of DecodeSettings.batch_cache (each a few hundred bytes)
 #: A k = 0 row whose draft backlog is at most this many tokens is fed in passing when other rows draft
 #: (decoder.engine's _MAX_PASSIVE_UNSEEN): its backlog stays put.
 _MAX_PASSIVE_LAG = 2
+#: False runs every segment through the numpy path (the kernel's reference: tests compare the two).
+_KERNEL_ENABLED = True
+_EMPTY = np.zeros(0)
 
 
 class ReplicaState(enum.Enum):
@@ -245,6 +249,9 @@ class _StepTable:
         return cls(ms=ms, features=features)
 
 
+_NO_STEP_TABLE = _StepTable(ms=np.zeros(0), features=np.zeros((0, 0)))  # a mixed batch reads none
+
+
 def survival_grid(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Breakpoints of survival rows [R, k_pad] and each row's tokens at them: ``(grid [G], tokens
     [R, G + 1])`` with ``tokens[r, g] = 1 + #{i : u < survival[r, i]}`` for every u with
@@ -315,6 +322,9 @@ class Replica:
         # The latency model is frozen: read its switches once, not per segment.
         self._draft_prefill = latency.models_draft_prefill
         self._exponential_times = latency.iteration_time_dist == "exponential"
+        plain_fixed, plain_per_row = latency.plain_coeffs()
+        self._mixed_coeffs = np.array([latency.verify_a_ms, latency.draft_a_ms, latency.verify_b_ms, latency.verify_c_ms,
+                                       latency.draft_b_ms, plain_fixed, plain_per_row])  # segment_kernel's order
 
     # ---------------------------------------------------------------- state
 
@@ -379,17 +389,89 @@ class Replica:
         u = self.rng.random((h, b))
         k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
-        n_iter = h + off
-        # Cumulative tokens with a leading row of zeros (row j + 1 = by the end of iteration j): "alive
-        # before" and "alive after" iteration j, the batch sizes and the tokens per iteration each come
-        # from one call over it instead of a shifted copy.
-        cz = np.zeros((n_iter + 1, b), dtype=np.int64)  # zeros: nothing before iteration 0, nor in a prefill
-        dec = cz[off + 1 :]
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
         tier_set = frozenset(tier_list)
         rows = settings.batch_tables(tier_list)
         odds = table.acceptance_odds
+        if odds is None and not self._draft_prefill and not self._exponential_times and _KERNEL_ENABLED:
+            # The common case, compiled (sim.segment_kernel): the numpy path's arithmetic in one pass.
+            uniform = one_tier or rows.uniform_k
+            step = settings.step_table(t0, one_tier, self.max_batch) if uniform else _NO_STEP_TABLE
+            plain_ms = settings.plain_ms_by_rows
+            emitted, finish_iter, active_after, features, end_s, length = draw_segment(
+                u, off, remaining, one_tier, rows.survival_asc0, k_plus_1, rows.grid, rows.grid_tokens,
+                rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
+                _EMPTY if plain_ms is None else plain_ms, rows.onehot, _B + 2 * self.bins.n_tiers,
+                self.latency.prefill_ms(prefill_tokens) if n_new else 0.0, self.batch_limit if queue else 1, now)
+            distortion_rows: np.ndarray | None = None
+            if rows.event_p is not None:
+                tokens = np.diff(emitted, axis=0, prepend=np.zeros((1, b), dtype=np.int64))
+                distortion_rows = self._distortion_events(tokens, rows, features)
+            lag_grows: np.ndarray | None = None
+        else:
+            emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows = (
+                self._draw_general(now, settings, u, off, ids, remaining, rows, t0, one_tier, n_new,
+                                   prefill_tokens, bool(queue)))
+        bins = self.bins.bin_of(end_s)
+        self.bins.add(bins[:length], features[:length])
+
+        end_list: list[float] = end_s.tolist()
+        if n_new:
+            first_token_s, first_s = table.first_token_s, end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
+            for rid in new:
+                first_token_s[rid] = first_s
+        # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
+        finish_list = finish_iter.tolist()
+        completions = [(it, rid) for it, rid in zip(finish_list, id_list, strict=True) if it < length]
+        if completions:
+            completion_s = table.completion_s
+            add = self.bins.add_completion
+            for it, rid in completions:
+                completion_s[rid] = end_list[it]
+                add(int(bins[it]), rid)
+
+        self.running, self.remaining = id_list, decode_left
+        self.segment = _Segment(
+            ids,
+            id_list,
+            decode_left,
+            end_list,
+            emitted,
+            finish_list,
+            active_after.tolist(),
+            rows.distortion_list,
+            features,
+            bins,
+            completions,
+            tier_set,
+            n_new,
+            length,
+            distortion_rows,
+            lag_grows,
+        )
+        self.version += 1
+        self.segments_drawn += 1
+        return end_list[length - 1]
+
+    def _draw_general(
+        self, now: float, settings: DecodeSettings, u: np.ndarray, off: int, ids: np.ndarray | None,
+        remaining: np.ndarray, rows: _BatchTables, t0: int, one_tier: bool, n_new: int, prefill_tokens: int,
+        queued: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None,
+               np.ndarray | None]:
+        """A segment's draw with numpy, every case (sim.segment_kernel compiles the common one):
+        ``(emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows)``."""
+        h, b = u.shape
+        n_iter = h + off
+        k_plus_1 = settings.k_pad + 1
+        table = self.table
+        odds = table.acceptance_odds
+        # Cumulative tokens with a leading row of zeros (row j + 1 = by the end of iteration j): "alive
+        # before" and "alive after" iteration j, the batch sizes and the tokens per iteration each come
+        # from one call over it instead of a shifted copy.
+        cz = np.zeros((n_iter + 1, b), dtype=np.int64)  # zeros: nothing before iteration 0, nor in a prefill
+        dec = cz[off + 1 :]
         if odds is None and one_tier:
             np.subtract(k_plus_1, rows.survival_asc0.searchsorted(u, side="right"), out=dec)
         elif odds is None:
@@ -485,61 +567,30 @@ class Replica:
         end_s += now
 
         # Last iteration that can run: the batch empties, or (someone queued) a slot frees up.
-        stop = active_after < (self.batch_limit if queue else 1)
+        stop = active_after < (self.batch_limit if queued else 1)
         j = int(stop.argmax())
         length = j + 1 if stop[j] else n_iter
 
         if not one_tier:
             features[:, _B + 2 * n_t :] = alive_before @ rows.onehot
         distortion_rows = None
-        if rows.event_p is not None and rows.event_size is not None:
-            events = self.rng.binomial(tokens.astype(np.int64), rows.event_p)
-            distortion_rows = events * rows.event_size
-            features[:, WindowBins.DISTORTION] = distortion_rows.sum(axis=1)
-            features[:, _B + n_t : _B + 2 * n_t] = distortion_rows @ rows.onehot
+        if rows.event_p is not None:
+            distortion_rows = self._distortion_events(tokens.astype(np.int64), rows, features)
         if n_new:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
             features[0, WindowBins.PREFILL_MS] = dt_ms[0]
-        bins = self.bins.bin_of(end_s)
-        self.bins.add(bins[:length], features[:length])
+        return emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows
 
-        end_list: list[float] = end_s.tolist()
-        if n_new:
-            first_token_s, first_s = table.first_token_s, end_list[1]  # n_iter >= 2: h >= 1 decode iteration follows
-            for rid in new:
-                first_token_s[rid] = first_s
-        # Completions inside the draw (a few per segment: plain Python beats numpy calls here).
-        finish_list = finish_iter.tolist()
-        completions = [(it, rid) for it, rid in zip(finish_list, id_list, strict=True) if it < length]
-        if completions:
-            completion_s = table.completion_s
-            add = self.bins.add_completion
-            for it, rid in completions:
-                completion_s[rid] = end_list[it]
-                add(int(bins[it]), rid)
-
-        self.running, self.remaining = id_list, decode_left
-        self.segment = _Segment(
-            ids,
-            id_list,
-            decode_left,
-            end_list,
-            emitted,
-            finish_list,
-            active_after.tolist(),
-            rows.distortion_list,
-            features,
-            bins,
-            completions,
-            tier_set,
-            n_new,
-            length,
-            distortion_rows,
-            lag_grows,
-        )
-        self.version += 1
-        self.segments_drawn += 1
-        return end_list[length - 1]
+    def _distortion_events(self, tokens: np.ndarray, rows: _BatchTables, features: np.ndarray) -> np.ndarray:
+        """Distortion drawn as events per token (the profile's event model): ``[L, B]``, and the window
+        columns of it written into ``features``."""
+        assert rows.event_p is not None and rows.event_size is not None
+        events = self.rng.binomial(tokens, rows.event_p)
+        distortion_rows = events * rows.event_size
+        n_t = self.bins.n_tiers
+        features[:, WindowBins.DISTORTION] = distortion_rows.sum(axis=1)
+        features[:, _B + n_t : _B + 2 * n_t] = distortion_rows @ rows.onehot
+        return np.asarray(distortion_rows)
 
     def _draft_backlog(self, ids: np.ndarray, n_new: int, row_k: np.ndarray) -> tuple[float, int, np.ndarray]:
         """The draft's backlog at a segment's start (the first ``n_new`` of ``ids`` join, rows at draft

@@ -1,0 +1,71 @@
+"""sim.segment_kernel draws what Replica's numpy path draws: the same requests' times bit for bit, the same
+window sums (integer columns exactly; the distortion sums to rounding, whose order the numpy product leaves
+to BLAS), over runs that cycle every tier's (T, k) through uniform-k, mixed-k and plain batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sim.replica as replica_module
+from policies.slo import SLOSpec
+from sim.entities import WindowBins
+from sim.profile import Profile
+from sim.simulator import SimConfig, Simulator
+from tests.sim.conftest import handmade_profile, make_workload
+from tests.sim.test_fast_paths import _Cycling, _plain_table_profile
+
+# Columns that hold sums of distortion (float products, summed in an order numpy's matmul does not fix).
+_DISTORTION_COLUMNS = {WindowBins.DISTORTION}
+
+
+def _run(profile: Profile, seed: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Simulator, int]:
+    monkeypatch.setattr(replica_module, "_KERNEL_ENABLED", kernel)
+    calls = [0]
+    compiled = replica_module.draw_segment
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return compiled(*args)
+
+    monkeypatch.setattr(replica_module, "draw_segment", counting)
+    slo = SLOSpec.default()
+    workload = make_workload(duration_s=150.0, arrivals={"kind": "poisson", "rate": 6.0},
+                             output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.6, "max": 400},
+                             tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
+    sim = Simulator(SimConfig(seed=seed, replicas=3, max_batch=6), profile, slo, workload,
+                    _Cycling(slo, tuple(profile.available_draft_lengths(profile.default_div)), seed))
+    sim.result = sim.run()  # type: ignore[attr-defined]
+    return sim, calls[0]
+
+
+@pytest.mark.parametrize(("profile_name", "seed"), [("handmade", 1), ("handmade", 2), ("plain_table", 3)])
+def test_kernel_draws_what_the_numpy_path_draws(profile_name: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile}[profile_name]()
+    reference, none = _run(profile, seed, False, monkeypatch)
+    compiled, calls = _run(profile, seed, True, monkeypatch)
+    segments = sum(r.segments_drawn for r in compiled.replicas)
+    assert none == 0 and segments > 300
+    assert calls == segments  # this profile has no case the kernel leaves to numpy
+    a, b = reference.result.records, compiled.result.records  # type: ignore[attr-defined]
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)  # NaN == NaN here
+    assert reference.result.summary["completed"] == compiled.result.summary["completed"] > 500  # type: ignore[attr-defined]
+    sums_a, sums_b = reference.bins.sums, compiled.bins.sums
+    n_t = reference.bins.n_tiers
+    exact = [c for c in range(sums_a.shape[1]) if c not in _DISTORTION_COLUMNS
+             and not WindowBins.BASE + n_t <= c < WindowBins.BASE + 2 * n_t]
+    np.testing.assert_array_equal(sums_a[:, exact], sums_b[:, exact])
+    np.testing.assert_allclose(sums_a, sums_b, rtol=1e-12, atol=1e-12)
+    # Each kind of batch went through the kernel: plain steps, drafting ones, several tiers at several ks.
+    spec_iters, iters = sums_b[:, WindowBins.SPEC_ITERS].sum(), sums_b[:, WindowBins.ITERS].sum()
+    assert 0 < spec_iters < iters
+
+
+def test_kernel_leaves_per_request_acceptance_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibrated profile draws each request's acceptance odds: every segment takes the numpy path."""
+    profile = Profile.default()
+    assert profile.request_acceptance is not None
+    sim, calls = _run(profile, 4, True, monkeypatch)
+    assert calls == 0 and sum(r.segments_drawn for r in sim.replicas) > 100

@@ -57,6 +57,7 @@ _MAX_PASSIVE_LAG = 2
 #: False runs every segment through the numpy path (the kernel's reference: tests compare the two).
 _KERNEL_ENABLED = True
 _EMPTY = np.zeros(0)
+_NO_ROWS = np.zeros((0, 0))
 
 
 class ReplicaState(enum.Enum):
@@ -394,13 +395,14 @@ class Replica:
         tier_set = frozenset(tier_list)
         rows = settings.batch_tables(tier_list)
         odds = table.acceptance_odds
-        if odds is None and not self._draft_prefill and not self._exponential_times and _KERNEL_ENABLED:
+        if not self._draft_prefill and not self._exponential_times and _KERNEL_ENABLED:
             # The common case, compiled (sim.segment_kernel): the numpy path's arithmetic in one pass.
             uniform = one_tier or rows.uniform_k
+            survival_rows = _NO_ROWS if odds is None else self._request_survival(odds, ids, rows)
             step = settings.step_table(t0, one_tier, self.max_batch) if uniform else _NO_STEP_TABLE
             plain_ms = settings.plain_ms_by_rows
             emitted, finish_iter, active_after, features, end_s, length = draw_segment(
-                u, off, remaining, one_tier, rows.survival_asc0, k_plus_1, rows.grid, rows.grid_tokens,
+                u, off, remaining, one_tier, odds is not None, survival_rows, rows.survival_asc0, k_plus_1, rows.grid, rows.grid_tokens,
                 rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
                 _EMPTY if plain_ms is None else plain_ms, rows.onehot, _B + 2 * self.bins.n_tiers,
                 self.latency.prefill_ms(prefill_tokens) if n_new else 0.0, self.batch_limit if queue else 1, now)
@@ -482,9 +484,7 @@ class Replica:
         else:
             # Each row's own survival S_r (the tier's acceptance shifted by the request's log-odds):
             # tokens = 1 + #{i : u < S_r,i}, the same count as the searches above.
-            assert ids is not None
-            row_odds = odds.take(ids) * rows.odds_centring
-            survival_rows = np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1)
+            survival_rows = self._request_survival(odds, ids, rows)
             np.add(1, (u[:, :, None] < survival_rows).sum(axis=2), out=dec)
         np.add.accumulate(cz, axis=0, out=cz)  # tokens drawn by the end of each iteration, unclipped
         alive_all = cz < remaining  # [L + 1, B]: row j still running before iteration j (= after j − 1)
@@ -580,6 +580,13 @@ class Replica:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
             features[0, WindowBins.PREFILL_MS] = dt_ms[0]
         return emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows
+
+    @staticmethod
+    def _request_survival(odds: np.ndarray, ids: np.ndarray | None, rows: _BatchTables) -> np.ndarray:
+        """[B, k_pad] each row's survival: its tier's acceptance shifted by the request's log-odds."""
+        assert ids is not None
+        row_odds = odds.take(ids) * rows.odds_centring
+        return np.asarray(np.multiply.accumulate(shifted_acceptance(rows.accept, row_odds[:, None]), axis=1))
 
     def _distortion_events(self, tokens: np.ndarray, rows: _BatchTables, features: np.ndarray) -> np.ndarray:
         """Distortion drawn as events per token (the profile's event model): ``[L, B]``, and the window

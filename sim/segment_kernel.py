@@ -1,5 +1,4 @@
-"""The compiled draw of a segment's common case: the tiers' acceptance unshifted by request (no per-request
-odds), no distortion events, no draft backlog, step times from the model (not drawn).
+"""The compiled draw of a segment's common case: no draft backlog, step times from the model (not drawn).
 
 :meth:`sim.replica.Replica.start_segment` spends most of its time in ~40 small numpy calls over arrays of a
 few hundred elements (call overhead, not arithmetic). This kernel does the same arithmetic in one pass,
@@ -36,7 +35,9 @@ def draw_segment(  # noqa: PLR0913 — one flat signature: numba compiles one sp
     u: np.ndarray,  # [h, b] uniforms (the replica's rng, drawn as the numpy path draws them)
     off: int,  # 1 when row 0 is the joiners' prefill
     remaining: np.ndarray,  # [b] int64 tokens each row still has to emit
-    one_tier: bool,  # True: count with survival_asc; False: with the grid
+    one_tier: bool,  # every row of one tier: count with survival_asc (unless per_row); else with the grid
+    per_row: bool,  # each row's own survival (per-request acceptance): count with survival_rows
+    survival_rows: np.ndarray,  # [b, k_pad] (per_row)
     survival_asc: np.ndarray,  # [k_pad] row 0's survival ascending (one tier)
     k_plus_1: int,
     grid: np.ndarray,  # [G] the batch's breakpoints (several tiers)
@@ -81,7 +82,14 @@ def draw_segment(  # noqa: PLR0913 — one flat signature: numba compiles one sp
             prev = drawn[r] if drawn[r] < remaining[r] else remaining[r]
             if decode:
                 x = u[j - off, r]
-                if one_tier:
+                if per_row:
+                    # 1 + #{i : x < S_r,i}: the numpy path's comparison, row by row.
+                    count = 1
+                    for i in range(survival_rows.shape[1]):
+                        if x < survival_rows[r, i]:
+                            count += 1
+                    drawn[r] += count
+                elif one_tier:
                     # k + 1 − #{survival <= x}: the accepted count + 1, a binary search (searchsorted right).
                     lo, hi = 0, k_pad
                     while lo < hi:

@@ -10,7 +10,7 @@ import pytest
 import sim.replica as replica_module
 from policies.slo import SLOSpec
 from sim.entities import WindowBins
-from sim.profile import Profile
+from sim.profile import SEPARATE_KV_PROFILE_PATH, Profile
 from sim.simulator import SimConfig, Simulator
 from tests.sim.conftest import handmade_profile, make_workload
 from tests.sim.test_fast_paths import _Cycling, _plain_table_profile
@@ -39,9 +39,13 @@ def _run(profile: Profile, seed: int, kernel: bool, monkeypatch: pytest.MonkeyPa
     return sim, calls[0]
 
 
-@pytest.mark.parametrize(("profile_name", "seed"), [("handmade", 1), ("handmade", 2), ("plain_table", 3)])
+@pytest.mark.parametrize(("profile_name", "seed"),
+                         [("handmade", 1), ("handmade", 2), ("plain_table", 3), ("calibrated", 4)])
 def test_kernel_draws_what_the_numpy_path_draws(profile_name: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile}[profile_name]()
+    """The calibrated profile draws each request's acceptance odds (per-row survival); the hand-made ones
+    have distortion events."""
+    profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile,
+               "calibrated": Profile.default}[profile_name]()
     reference, none = _run(profile, seed, False, monkeypatch)
     compiled, calls = _run(profile, seed, True, monkeypatch)
     segments = sum(r.segments_drawn for r in compiled.replicas)
@@ -63,9 +67,9 @@ def test_kernel_draws_what_the_numpy_path_draws(profile_name: str, seed: int, mo
     assert 0 < spec_iters < iters
 
 
-def test_kernel_leaves_per_request_acceptance_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The calibrated profile draws each request's acceptance odds: every segment takes the numpy path."""
-    profile = Profile.default()
-    assert profile.request_acceptance is not None
-    sim, calls = _run(profile, 4, True, monkeypatch)
+def test_kernel_leaves_the_draft_backlog_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile that measures the draft's prefill apart keeps a backlog per request: the numpy path draws it."""
+    profile = Profile.load(SEPARATE_KV_PROFILE_PATH)
+    assert profile.latency.models_draft_prefill
+    sim, calls = _run(profile, 5, True, monkeypatch)
     assert calls == 0 and sum(r.segments_drawn for r in sim.replicas) > 100

@@ -1,7 +1,7 @@
 """One simulated replica: a FIFO queue and a continuously batched FSD decode loop.
 
 Speed is the point of this module. Instead of one event per iteration, a replica draws a *segment*
-of iterations at once with numpy — accepted counts for every (iteration, sequence), the batch size of
+of iterations at once (compiled: sim.segment_kernel; numpy where it leaves a case) — accepted counts for every (iteration, sequence), the batch size of
 every iteration as sequences finish, and the iteration end times — and schedules a single event at
 the segment's end. A segment ends at the first iteration boundary where something could change: a
 queued request can join (room in the batch), every sequence is done, or the segment's horizon. An

@@ -506,6 +506,11 @@ class ModelPredictivePolicy:
       every request decoding through it (session 34: 29 of the 50 misses of the shipped policy's live step-load
       runs, seeds 37–48, lived through such a drop). More distortion is taken at once (cf. Ray Serve's
       ``upscale_delay_s`` / ``downscale_delay_s``).
+    * ``stall_windows`` — the joiners' prefill stall is planned at no less than the share of the replicas' time the
+      last this many windows spent prefilling (0: off; the stall is then λ × the measured prefill per admission
+      alone). The requests in flight pay the stall of the admissions around them; at a burst's onset the decayed
+      rate still reads the light phase (session 35: on live seed 52 the joiners' prefills took 17–32 % of each
+      window after the switch, planned at a few per cent). A measured share, causal, no forecast.
     """
 
     name = "mpc"
@@ -546,6 +551,7 @@ class ModelPredictivePolicy:
         queue_joins: bool = True,
         step_fit: str = "line",
         relax_delay_s: float = 4.0,
+        stall_windows: int = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -611,6 +617,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(relax_delay_s) and relax_delay_s >= 0):
             raise ValueError(f"relax_delay_s must be finite and >= 0, got {relax_delay_s}")
         self.relax_delay_s = relax_delay_s
+        if isinstance(stall_windows, bool) or not isinstance(stall_windows, int) or stall_windows < 0:
+            raise ValueError(f"stall_windows must be an int >= 0, got {stall_windows!r}")
+        self.stall_windows = stall_windows
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -768,6 +777,8 @@ class ModelPredictivePolicy:
         self._arrivals_rise_sum = self._time_rise_sum = 0.0
         # Measured prefill wall time and the admissions it served, as decayed sums (Telemetry.prefill_ms).
         self._prefill_sum = self._prefill_requests = 0.0
+        # (prefill ms, replica-ms) of the last stall_windows windows that measured their prefill time.
+        self._stall_seen: deque[tuple[float, float]] = deque(maxlen=max(self.stall_windows, 1))
         self._queue_seen_s = -math.inf  # the last window that closed with a queue
         self.replicas_wanted: int | None = None  # the count asked for last (Decision.replicas)
         self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
@@ -902,6 +913,7 @@ class ModelPredictivePolicy:
                 self._time_rise_sum, self.rate_prior_s))
         self.arrival_rate = self.total_arrival_rate / replicas
         if math.isfinite(telemetry.prefill_ms):
+            self._stall_seen.append((telemetry.prefill_ms, 1000.0 * telemetry.window_s * replicas))
             self._prefill_sum = d * self._prefill_sum + telemetry.prefill_ms
             self._prefill_requests = d * self._prefill_requests + max(telemetry.arrivals - telemetry.rejections, 0)
         if telemetry.queue_depth > 0:
@@ -1098,7 +1110,12 @@ class ModelPredictivePolicy:
         if draft_share is None:
             draft_share = self._draft_share(ks, shares)
         scale = (target_ms + draft_ms * draft_share) / (target_ms + draft_ms * now)
-        return np.asarray(np.minimum(lam * measured * scale / 1000.0, 0.9), dtype=float)
+        stall = lam * measured * scale / 1000.0
+        if self.stall_windows > 0:
+            replica_ms = sum(ms for _, ms in self._stall_seen)
+            if replica_ms > 0:
+                stall = np.maximum(stall, sum(prefill for prefill, _ in self._stall_seen) / replica_ms * scale)
+        return np.asarray(np.minimum(stall, 0.9), dtype=float)
 
     @staticmethod
     def _draft_share(ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
@@ -1719,6 +1736,7 @@ class ModelPredictivePolicy:
             "queue_joins": self.queue_joins,
             "step_fit": self.step_fit,
             "relax_delay_s": self.relax_delay_s,
+            "stall_windows": self.stall_windows,
         }
 
     def __repr__(self) -> str:

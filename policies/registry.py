@@ -149,6 +149,8 @@ class MPCParams(_Params):
     relax_delay_s: float = Field(4.0, ge=0, description="a tier moves to a point of less distortion than the one in "
                                  "force only once every decision over this many seconds wanted it (0: at once, the "
                                  "default before session 34)")
+    stall_windows: int = Field(0, ge=0, description="plan the joiners' prefill stall at no less than the share of "
+                               "replica time the last this many windows spent prefilling (0: off)")
 
 
 class QualityParams(_Params):

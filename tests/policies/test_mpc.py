@@ -1206,3 +1206,30 @@ def test_a_relax_waits_for_relax_delay_s_of_decisions_wanting_it_and_a_rise_does
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match=f"relax_delay_s must be finite and >= 0, got {bad}"):
             ModelPredictivePolicy(slo, toy_model(), relax_delay_s=bad)
+
+
+def test_stall_windows_plans_the_measured_prefill_share_and_no_less_than_the_rate_model() -> None:
+    """One replica, 0.1 req/s for 40 windows with 300 ms prefills, then 3 windows of one admission each (300 ms of
+    each 1,000 ms window prefilling): with stall_windows 3 the planned stall is the measured 30 %, where the decayed
+    rate still plans a few per cent; three quiet windows later the measured share is 0 and the rate model's stall
+    is planned again (never less than it). The prediction carries it: TPOT / (1 − stall)."""
+    def run(**kwargs: int) -> tuple[list[float], list[float]]:
+        policy = _plain_only_policy(**kwargs)
+        stalls, tpots = [], []
+        windows = [(1 if i % 10 == 0 else 0) for i in range(40)] + [1, 1, 1] + [0, 0, 0]
+        for tick, arrivals in enumerate(windows, start=1):
+            policy.decide(load(1, arrivals=arrivals, tiers=window("economy", k=0), time_s=float(tick), window_s=1.0,
+                               prefill_ms=300.0 * arrivals))
+            stalls.append(float(policy._stall(policy.arrival_rate, [0], np.zeros((1, 1), dtype=np.int64),
+                                              np.ones(1))[0]))
+            tpots.append(policy.last_prediction["economy"]["tpot_ms"])
+        return stalls, tpots
+
+    (default, default_tpot), (measured, measured_tpot) = run(), run(stall_windows=3)
+    assert default[42] < 0.1 and measured[42] == pytest.approx(0.3)
+    assert measured_tpot[42] > default_tpot[42] * 1.2
+    assert measured[-1] == pytest.approx(default[-1]) and measured_tpot[-1] == pytest.approx(default_tpot[-1])
+    assert all(m >= d - 1e-12 for m, d in zip(measured, default, strict=True))
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="stall_windows must be an int >= 0"):
+            _plain_only_policy(stall_windows=bad)

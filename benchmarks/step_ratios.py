@@ -11,7 +11,10 @@ can use (``step_fit`` "line", :class:`~policies.step_correction.StepCorrection`,
 :class:`~policies.step_correction.BatchStepCorrection`, at the shipped spec's decay, prior and batch limit) and
 reports how well each predicts the next window's ratio before it observes it: log(predicted / measured) by kind
 of step and batch (and after the batch rose by 1.5 rows or more since that kind's last window, where a fit must
-extrapolate). Prints JSON (and writes ``--out``)::
+extrapolate). With ``--first-speculative`` it reports, for each run's first window of speculative steps (the one a
+policy plans before it has measured any: ``draft_prior``), log(predicted / measured) of its ratio under the two
+priors the policy can take there: the model's step (1) and the plain steps' fit so far (the "line" shape at the
+shipped spec's settings, read at that window's composition). Prints JSON (and writes ``--out``)::
 
     .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s4{0,1}_t97_ttft4_s32_ticks.json.gz --fits
 """
@@ -99,6 +102,32 @@ def fit_errors(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     return errors
 
 
+def first_speculative_errors(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel],
+                             min_plain_windows: int = 3) -> dict[str, list[float]]:
+    """log(predicted / measured) of each run's first speculative window under each prior (``"model"``: the
+    model's step; ``"plain"``: the plain steps' line fit so far), for runs with ``min_plain_windows`` plain
+    windows before it."""
+    errors: dict[str, list[float]] = {"model": [], "plain": []}
+    make = _shipped_fits()["line"]
+    for telemetry_seq, model in zip(runs, model_of, strict=True):
+        plain_fit = make()
+        done = False
+        for telemetry in telemetry_seq:
+            for kind, batch, ms, fixed, per_row in window_steps(telemetry, model):
+                if kind == "plain":
+                    plain_fit.observe(ms, fixed, per_row, batch)
+                elif plain_fit.windows >= min_plain_windows:
+                    measured = ms / (fixed + per_row * batch)
+                    errors["model"].append(math.log(1.0 / measured))
+                    errors["plain"].append(math.log(plain_fit.at(fixed, per_row, batch) / measured))
+                    done = True
+                else:
+                    done = True  # drafted before plain steps had taught anything: not a prior's test
+            if done:
+                break
+    return errors
+
+
 def _error_summary(errors: list[float]) -> dict[str, float]:
     e = np.asarray(errors)
     return {"windows": int(e.size), "bias": round(float(e.mean()), 3), "mean_abs": round(float(np.abs(e).mean()), 3),
@@ -110,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("ticks", nargs="+", help="benchmarks/load.py --ticks files")
     ap.add_argument("--fits", action="store_true", help="also each fit shape's one-window-ahead prediction error, "
                     "over every file's runs")
+    ap.add_argument("--first-speculative", action="store_true", help="also each run's first speculative window "
+                    "predicted under the model's step and under the plain steps' fit (draft_prior)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     default_model = OperatingModel.load(DEFAULT_MODEL_PATH)
@@ -140,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fits:
         out["fit_errors"] = {name: {group: _error_summary(e) for group, e in sorted(groups.items())}
                              for name, groups in fit_errors(runs, models).items()}
+    if args.first_speculative:
+        out["first_speculative"] = {prior: _error_summary(e) for prior, e in
+                                    first_speculative_errors(runs, models).items() if e}
     emit(out, args.out)
     return 0
 

@@ -115,6 +115,8 @@ class MPCParams(_Params):
                                     "correction; smaller: one ratio for every batch until far-apart batches differ")
     draft_slope_prior: float | None = Field(None, gt=0, description="the same for speculative steps' fits alone "
                                             "(None: step_slope_prior)")
+    draft_prior: Literal["model", "plain"] = Field("model", description="speculative steps before any is measured: "
+                                                  "the profile's step, or the plain steps' measured correction")
     step_fit: Literal["line", "batch"] = Field("line", description="step-time fits: a line in the per-row share "
                                                "(fixed and per-row parts) or a ratio per batch size, shrunk "
                                                "toward the pooled ratio where no window ran")
@@ -151,6 +153,8 @@ class MPCParams(_Params):
                                  "default before session 34)")
     stall_windows: int = Field(0, ge=0, description="plan the joiners' prefill stall at no less than the share of "
                                "replica time the last this many windows spent prefilling (0: off)")
+    plan_deficit: bool = Field(False, description="plan each tier's TPOT for its requests in flight: those that "
+                                "decoded their first windows slower than the target must decode the rest faster")
 
 
 class QualityParams(_Params):

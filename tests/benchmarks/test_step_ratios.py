@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from benchmarks.step_ratios import fit_errors, main, window_ratios
+from benchmarks.step_ratios import first_speculative_errors, fit_errors, main, window_ratios, window_steps
 from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel
 from policies.slo import SLOSpec
 from tests.sim.conftest import recorded_history
@@ -77,3 +78,18 @@ def test_after_a_rise_the_fit_by_batch_predicts_a_hump_the_line_extrapolates() -
     line_rise, batch_rise = errors["line"]["plain after a rise"], errors["batch"]["plain after a rise"]
     assert len(line_rise) == len(batch_rise) == 1
     assert line_rise[0] > 0.2 and 0.0 < batch_rise[0] < 0.15
+
+
+def test_first_speculative_scores_each_prior_on_a_run_s_first_speculative_window() -> None:
+    """Plain steps at 1.2x the model for four windows, then speculative ones at 1.2x: the model's prior misses the
+    first by log(1 / 1.2), the plain steps' fit predicts it; later speculative windows are not scored; a run that
+    drafts before three plain windows is not a prior's test."""
+    model = OperatingModel.load(DEFAULT_MODEL_PATH)
+    fixed, per_row = model.cost.plain_line(2.0)
+    plain = {"plain_steps": {"steps": 10, "rows": 20, "ms": 10 * 1.2 * float(fixed + per_row * 2.0)}}
+    spec_totals = {"steps": 2, "rows": 4, "draft_forwards": 8, "verify_tokens": 16, "drafted_row_forwards": 16}
+    ((_, batch, _, spec_fixed, spec_per_row),) = window_steps({"speculative_steps": {**spec_totals, "ms": 1.0}}, model)
+    spec = {"speculative_steps": {**spec_totals, "ms": 2 * 1.2 * (spec_fixed + spec_per_row * batch)}}
+    errors = first_speculative_errors([[plain] * 4 + [spec, spec], [plain, spec]], [model, model])
+    assert errors["model"] == [pytest.approx(math.log(1 / 1.2))]
+    assert errors["plain"] == [pytest.approx(0.0, abs=1e-9)]

@@ -1233,3 +1233,34 @@ def test_stall_windows_plans_the_measured_prefill_share_and_no_less_than_the_rat
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="stall_windows must be an int >= 0"):
             _plain_only_policy(stall_windows=bad)
+
+
+def test_draft_prior_plain_predicts_unmeasured_speculative_steps_at_the_plain_correction() -> None:
+    """Plain steps measured at 1.3x the model for 20 windows, no speculative step yet: with draft_prior "plain" every
+    k_max's correction is plain's (the machine's state moves both models), with "model" it is 1; the predicted step
+    of a speculative candidate follows. Once a speculative window is measured (0.9x) its own fit takes over."""
+    def run(prior: str) -> ModelPredictivePolicy:
+        policy = ModelPredictivePolicy(make_slo(), toy_model(), draft_prior=prior)
+        c = policy.model.cost
+        plain_ms = c.plain_fixed_ms + 3 * c.plain_per_seq_ms
+        for tick in range(1, 21):
+            policy.decide(load(3, arrivals=0, time_s=float(tick), tiers={**window("standard", k=0),
+                                                                          **window("economy", k=0)},
+                               plain_steps=StepTotals(steps=10, ms=10 * 1.3 * plain_ms, rows=30)))
+        return policy
+
+    k_max = np.array([0, 2, 4])
+    model, plain = run("model"), run("plain")
+    assert plain.plain_step.at(1.0, 1.0, 1.0) == pytest.approx(1.3, rel=0.02)
+    np.testing.assert_allclose(model._step_correction(k_max)[0], [model.plain_step.fixed, 1.0, 1.0])
+    np.testing.assert_allclose(plain._step_correction(k_max)[0], [plain.plain_step.fixed] * 3)
+    np.testing.assert_allclose(plain._step_correction(k_max)[1], [plain.plain_step.per_row] * 3)
+    c = plain.model.cost
+    spec_ms = 2 * c.draft_fixed_ms + c.verify_fixed_ms + 3 * c.verify_per_seq_ms + 6 * c.verify_per_token_ms \
+        + 2 * 3 * c.draft_per_seq_ms
+    plain.decide(load(3, arrivals=0, time_s=21.0, tiers={**window("standard", k=2), **window("economy", k=2)},
+                      speculative_steps=StepTotals(steps=5, ms=5 * 0.9 * spec_ms, rows=15, draft_forwards=10,
+                                                   verify_tokens=30, drafted_row_forwards=30)))
+    assert plain._step_correction(np.array([2]))[0][0] == pytest.approx(0.9, rel=0.02)
+    with pytest.raises(ValueError, match="draft_prior must be 'model' or 'plain', got 'both'"):
+        ModelPredictivePolicy(make_slo(), toy_model(), draft_prior="both")

@@ -335,8 +335,6 @@ def _weighted_column_sums(columns: Sequence[np.ndarray], weights: np.ndarray) ->
 #: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
 #: a step on average: steps are admission points) and the decode step its prefill is fused with.
 _TTFT_STEPS = 1.5
-#: The most recent windows plan_deficit remembers per tier (a request's life at 1 s windows: ~5 s on the default pair).
-_DEFICIT_WINDOWS = 60
 #: How step-time fits correct the model: "line" (StepCorrection, fixed and per-row parts) or "batch"
 #: (BatchStepCorrection, a ratio per batch size).
 _STEP_FITS = frozenset({"line", "batch"})
@@ -468,9 +466,10 @@ class ModelPredictivePolicy:
     * ``draft_slope_prior`` — the same for the fits of speculative steps alone (None: ``step_slope_prior``).
     * ``draft_prior`` — what speculative steps are predicted at before any has been measured: ``"model"`` (the
       profile's step) or ``"plain"`` (the plain steps' measured correction: the machine runs both models, and its
-      state moves both). Session 36, 36 adaptive runs of live seeds 37–53: the first five speculative windows'
-      measured / modelled ratio follows the plain steps' before them (r = 0.74, mean 1.14 against 1.07), and the
-      plain ratio misses it by 8 % on average where the model's 1.0 misses by 14 %.
+      state moves both). Session 36: on the first speculative window of 34 live runs (seeds 37–54,
+      ``benchmarks/step_ratios.py --first-speculative``) the model's step missed by 0.137 (mean |log|, 12 % optimistic
+      on average), the plain fit by 0.073. Out of sample (live seed 55) the plain fit's light-phase slope (per row
+      2.8–3.0) priced speculative steps far too high and it lost: off.
     * ``switch_margin`` — a candidate of the other kind of step than the one in force (plain ↔
       speculative) is ranked as if its steps took this much longer: a switch must pay by more than the
       fits' noise (each kind is corrected from its own few windows), or k flips back and forth.
@@ -518,14 +517,6 @@ class ModelPredictivePolicy:
       alone). The requests in flight pay the stall of the admissions around them; at a burst's onset the decayed
       rate still reads the light phase (session 35: on live seed 52 the joiners' prefills took 17–32 % of each
       window after the switch, planned at a few per cent). A measured share, causal, no forecast.
-    * ``plan_deficit`` — plan each tier's TPOT for the requests in flight, not for a request that starts now: a
-      request's TPOT is its mean over its life (~``mean output tokens × TPOT target`` of windows), so one that
-      decoded its first windows slower than the target must decode the rest faster. From the measured row time
-      per token of the recent windows ((decode + prefill ms) / steps / tokens per row-step), for each age j of a
-      request still in flight (j windows of its life of L behind it) the rest must average
-      ``(target − j/L · measured_j) / (1 − j/L)``; the tier is planned at the least of these and its target (never
-      looser, never below half the target). Off by default (session 36: live seeds 46, 49, 50 missed by 0.1–8 %
-      with requests whose first windows ran plain decoding at a burst's onset, then a low T).
     """
 
     name = "mpc"
@@ -568,7 +559,6 @@ class ModelPredictivePolicy:
         step_fit: str = "line",
         relax_delay_s: float = 4.0,
         stall_windows: int = 0,
-        plan_deficit: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -640,7 +630,6 @@ class ModelPredictivePolicy:
         if isinstance(stall_windows, bool) or not isinstance(stall_windows, int) or stall_windows < 0:
             raise ValueError(f"stall_windows must be an int >= 0, got {stall_windows!r}")
         self.stall_windows = stall_windows
-        self.plan_deficit = bool(plan_deficit)
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
         if max_replicas is not None and max_replicas < min_replicas:
@@ -800,8 +789,6 @@ class ModelPredictivePolicy:
         self._prefill_sum = self._prefill_requests = 0.0
         # (prefill ms, replica-ms) of the last stall_windows windows that measured their prefill time.
         self._stall_seen: deque[tuple[float, float]] = deque(maxlen=max(self.stall_windows, 1))
-        # Per tier, newest last: the row time per output token each recent window measured (NaN: no steps).
-        self._row_ms_seen: dict[str, deque[float]] = {name: deque(maxlen=_DEFICIT_WINDOWS) for name in self.tier_names}
         self._queue_seen_s = -math.inf  # the last window that closed with a queue
         self.replicas_wanted: int | None = None  # the count asked for last (Decision.replicas)
         self._pending_attainment: dict[str, tuple[int, int]] = {name: (0, 0) for name in self.tier_names}
@@ -986,8 +973,6 @@ class ModelPredictivePolicy:
             else:
                 self._observe_draft(k_max, telemetry.mean_iteration_ms, fixed_ms, per_row_ms,
                                     telemetry.mean_batch_size)
-        if self.plan_deficit:
-            self._observe_row_ms(telemetry)
         for i, name in enumerate(self.tier_names):
             window = telemetry.tiers.get(name)
             if window is None:
@@ -1220,43 +1205,6 @@ class ModelPredictivePolicy:
             return shares
         return self.shares
 
-    def _observe_row_ms(self, telemetry: Telemetry) -> None:
-        """Each tier's row time per output token over the window: (decode + prefill ms) / steps / tokens per row-step
-        (every running row takes part in every step, and stalls through every prefill)."""
-        steps, ms = 0, 0.0
-        for totals in (telemetry.plain_steps, telemetry.speculative_steps):
-            if totals is not None:
-                steps, ms = steps + totals.steps, ms + totals.ms
-        if steps == 0 and math.isfinite(telemetry.mean_iteration_ms) and telemetry.mean_batch_size > 0:
-            # A source without steps by kind: the mean step, the steps from the tiers' row-steps.
-            row_steps = sum(w.sequence_iterations for w in telemetry.tiers.values())
-            steps = int(round(row_steps / telemetry.mean_batch_size))
-            ms = telemetry.mean_iteration_ms * steps
-        if math.isfinite(telemetry.prefill_ms):
-            ms += telemetry.prefill_ms
-        for name in self.tier_names:
-            window = telemetry.tiers.get(name)
-            per_row = window.tokens_per_iteration if window is not None else math.nan
-            self._row_ms_seen[name].append(ms / steps / per_row if steps > 0 and per_row > 0 else math.nan)
-
-    def _tpot_target_in_flight(self, name: str, target: float, length: float, window_s: float) -> float:
-        """The TPOT the rest of the tier's requests in flight must average for each to meet ``target`` over its
-        life (``length`` tokens at ``target``), the least over their ages; ``target`` where every one is ahead."""
-        seen = self._row_ms_seen[name]
-        if not seen or window_s <= 0:
-            return target
-        life = max(length * target / 1000.0 / window_s, 1.0)  # windows
-        needed, total, counted = target, 0.0, 0
-        for j, row_ms in enumerate(reversed(seen), start=1):
-            if j >= life:
-                break
-            if not math.isfinite(row_ms):
-                break  # no rows decoded then: nothing in flight is older
-            total, counted = total + row_ms, counted + 1
-            done = j / life
-            needed = min(needed, (target - done * total / counted) / (1.0 - done))
-        return max(needed, 0.5 * target)
-
     def _stall_prefill_ms(self, act_idx: Sequence[int]) -> float:
         """Prefill ms per admitted request, for the stall term: measured (prefill wall time over the
         requests admitted, decayed sums) once a request's worth is in, else the active tiers' mean
@@ -1392,12 +1340,6 @@ class ModelPredictivePolicy:
         switch = 1.0 + (0.0 if probe is True else self.switch_margin) * self._switches_kind(u.plain, active)
         by_batch = u.tokens_minus_1_by_batch
         tokens_model = tokens
-        # Each tier's TPOT target for the requests in flight (plan_deficit), else its target.
-        tpot_targets = {
-            i: (self._tpot_target_in_flight(self.tier_names[i], tpot_ms, length, telemetry.window_s)
-                if self.plan_deficit else tpot_ms)
-            for i in act_idx if (tpot_ms := self.slo.tiers[self.tier_names[i]].tpot_ms) is not None
-        }
 
         def predict(lam_floor: float) -> _Prediction:
             """Every candidate's latencies, its look-ahead floor planned at ``lam_floor`` req/s per replica."""
@@ -1472,7 +1414,7 @@ class ModelPredictivePolicy:
                 tier = self.slo.tiers[name]
                 m = self.margin[name]
                 if tier.tpot_ms is not None:
-                    ratio = m * tpot_ranked[:, i] / tpot_targets[i]
+                    ratio = m * tpot_ranked[:, i] / tier.tpot_ms
                     meets[:, i] &= ratio <= 1.0
                     ratios[i].append(("tpot", ratio))
                 if tier.ttft_ms is not None:
@@ -1806,7 +1748,6 @@ class ModelPredictivePolicy:
             "step_fit": self.step_fit,
             "relax_delay_s": self.relax_delay_s,
             "stall_windows": self.stall_windows,
-            "plan_deficit": self.plan_deficit,
         }
 
     def __repr__(self) -> str:

@@ -153,8 +153,6 @@ class MPCParams(_Params):
                                  "default before session 34)")
     stall_windows: int = Field(0, ge=0, description="plan the joiners' prefill stall at no less than the share of "
                                "replica time the last this many windows spent prefilling (0: off)")
-    plan_deficit: bool = Field(False, description="plan each tier's TPOT for its requests in flight: those that "
-                                "decoded their first windows slower than the target must decode the rest faster")
 
 
 class QualityParams(_Params):

@@ -1,8 +1,9 @@
 """One simulated replica: a FIFO queue and a continuously batched FSD decode loop.
 
 Speed is the point of this module. Instead of one event per iteration, a replica draws a *segment*
-of iterations at once (compiled: sim.segment_kernel; numpy where it leaves a case) — accepted counts for every (iteration, sequence), the batch size of
-every iteration as sequences finish, and the iteration end times — and schedules a single event at
+of iterations at once (compiled, sim.segment_kernel; numpy where it leaves a case) — accepted counts for
+every (iteration, sequence), the batch size of every iteration as sequences finish, and the iteration end
+times — and schedules a single event at
 the segment's end. A segment ends at the first iteration boundary where something could change: a
 queued request can join (room in the batch), every sequence is done, or the segment's horizon. An
 arrival or a new threshold *truncates* the segment at the first boundary at or after its time;
@@ -324,8 +325,9 @@ class Replica:
         self._draft_prefill = latency.models_draft_prefill
         self._exponential_times = latency.iteration_time_dist == "exponential"
         plain_fixed, plain_per_row = latency.plain_coeffs()
-        self._mixed_coeffs = np.array([latency.verify_a_ms, latency.draft_a_ms, latency.verify_b_ms, latency.verify_c_ms,
-                                       latency.draft_b_ms, plain_fixed, plain_per_row])  # segment_kernel's order
+        self._mixed_coeffs = np.array([  # in segment_kernel's order
+            latency.verify_a_ms, latency.draft_a_ms, latency.verify_b_ms, latency.verify_c_ms, latency.draft_b_ms,
+            plain_fixed, plain_per_row])
 
     # ---------------------------------------------------------------- state
 
@@ -402,8 +404,8 @@ class Replica:
             step = settings.step_table(t0, one_tier, self.max_batch) if uniform else _NO_STEP_TABLE
             plain_ms = settings.plain_ms_by_rows
             emitted, finish_iter, active_after, features, end_s, length = draw_segment(
-                u, off, remaining, one_tier, odds is not None, survival_rows, rows.survival_asc0, k_plus_1, rows.grid, rows.grid_tokens,
-                rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
+                u, off, remaining, one_tier, odds is not None, survival_rows, rows.survival_asc0, k_plus_1, rows.grid,
+                rows.grid_tokens, rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
                 _EMPTY if plain_ms is None else plain_ms, rows.onehot, _B + 2 * self.bins.n_tiers,
                 self.latency.prefill_ms(prefill_tokens) if n_new else 0.0, self.batch_limit if queue else 1, now)
             distortion_rows: np.ndarray | None = None

@@ -1,9 +1,10 @@
 """The compiled draw of a segment's common case: no draft backlog, step times from the model (not drawn).
 
-:meth:`sim.replica.Replica.start_segment` spends most of its time in ~40 small numpy calls over arrays of a
+:meth:`sim.replica.Replica.start_segment` spent most of its time in ~40 small numpy calls over arrays of a
 few hundred elements (call overhead, not arithmetic). This kernel does the same arithmetic in one pass,
 compiled by numba, and returns the arrays the numpy path builds. The numpy path stays the reference: every
-other case runs it, and ``tests/sim/test_segment_kernel.py`` checks the two agree on random batches.
+other case runs it, and ``tests/sim/test_segment_kernel.py`` checks the two agree over whole runs that redraw
+every tier's (T, k) at random.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ VERIFY_A, DRAFT_A, VERIFY_B, VERIFY_C, DRAFT_B, PLAIN_FIXED, PLAIN_PER_ROW = ran
 
 
 @njit(cache=True, nogil=True)
-def draw_segment(  # noqa: PLR0913 — one flat signature: numba compiles one specialisation
+def draw_segment(  # one flat signature of arrays and scalars: numba compiles one specialisation
     u: np.ndarray,  # [h, b] uniforms (the replica's rng, drawn as the numpy path draws them)
     off: int,  # 1 when row 0 is the joiners' prefill
     remaining: np.ndarray,  # [b] int64 tokens each row still has to emit

@@ -11,7 +11,7 @@ import sim.replica as replica_module
 from policies.slo import SLOSpec
 from sim.entities import WindowBins
 from sim.profile import SEPARATE_KV_PROFILE_PATH, Profile
-from sim.simulator import SimConfig, Simulator
+from sim.simulator import SimConfig, SimResult, Simulator
 from tests.sim.conftest import handmade_profile, make_workload
 from tests.sim.test_fast_paths import _Cycling, _plain_table_profile
 
@@ -19,7 +19,9 @@ from tests.sim.test_fast_paths import _Cycling, _plain_table_profile
 _DISTORTION_COLUMNS = {WindowBins.DISTORTION}
 
 
-def _run(profile: Profile, seed: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Simulator, int]:
+def _run(profile: Profile, seed: int, kernel: bool,
+         monkeypatch: pytest.MonkeyPatch) -> tuple[Simulator, SimResult, int]:
+    """A short three-tier run under a policy that redraws (T, k): the simulator, its result, the kernel's calls."""
     monkeypatch.setattr(replica_module, "_KERNEL_ENABLED", kernel)
     calls = [0]
     compiled = replica_module.draw_segment
@@ -35,8 +37,7 @@ def _run(profile: Profile, seed: int, kernel: bool, monkeypatch: pytest.MonkeyPa
                              tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
     sim = Simulator(SimConfig(seed=seed, replicas=3, max_batch=6), profile, slo, workload,
                     _Cycling(slo, tuple(profile.available_draft_lengths(profile.default_div)), seed))
-    sim.result = sim.run()  # type: ignore[attr-defined]
-    return sim, calls[0]
+    return sim, sim.run(), calls[0]
 
 
 @pytest.mark.parametrize(("profile_name", "seed"),
@@ -46,16 +47,16 @@ def test_kernel_draws_what_the_numpy_path_draws(profile_name: str, seed: int, mo
     have distortion events."""
     profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile,
                "calibrated": Profile.default}[profile_name]()
-    reference, none = _run(profile, seed, False, monkeypatch)
-    compiled, calls = _run(profile, seed, True, monkeypatch)
+    reference, ref_result, none = _run(profile, seed, False, monkeypatch)
+    compiled, result, calls = _run(profile, seed, True, monkeypatch)
     segments = sum(r.segments_drawn for r in compiled.replicas)
     assert none == 0 and segments > 300
     assert calls == segments  # this profile has no case the kernel leaves to numpy
-    a, b = reference.result.records, compiled.result.records  # type: ignore[attr-defined]
+    a, b = ref_result.records, result.records
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)  # NaN == NaN here
-    assert reference.result.summary["completed"] == compiled.result.summary["completed"] > 500  # type: ignore[attr-defined]
+    assert ref_result.summary["completed"] == result.summary["completed"] > 500
     sums_a, sums_b = reference.bins.sums, compiled.bins.sums
     n_t = reference.bins.n_tiers
     exact = [c for c in range(sums_a.shape[1]) if c not in _DISTORTION_COLUMNS
@@ -71,5 +72,5 @@ def test_kernel_leaves_the_draft_backlog_to_numpy(monkeypatch: pytest.MonkeyPatc
     """A profile that measures the draft's prefill apart keeps a backlog per request: the numpy path draws it."""
     profile = Profile.load(SEPARATE_KV_PROFILE_PATH)
     assert profile.latency.models_draft_prefill
-    sim, calls = _run(profile, 5, True, monkeypatch)
+    sim, _, calls = _run(profile, 5, True, monkeypatch)
     assert calls == 0 and sum(r.segments_drawn for r in sim.replicas) > 100

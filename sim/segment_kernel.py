@@ -31,6 +31,19 @@ _TOKENS = WindowBins.TOKENS
 VERIFY_A, DRAFT_A, VERIFY_B, VERIFY_C, DRAFT_B, PLAIN_FIXED, PLAIN_PER_ROW = range(7)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _count_at_most(ascending: np.ndarray, x: float) -> int:
+    """#{v in ascending : v <= x}: numpy's ``searchsorted(x, side="right")``, a binary search."""
+    lo, hi = 0, ascending.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ascending[mid] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 @njit(cache=True, nogil=True)
 def draw_segment(  # one flat signature of arrays and scalars: numba compiles one specialisation
     u: np.ndarray,  # [h, b] uniforms (the replica's rng, drawn as the numpy path draws them)
@@ -63,7 +76,6 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
     n_f = weights.shape[1]
     n_t = onehot.shape[1]
     g_size = grid.shape[0]
-    k_pad = survival_asc.shape[0]
     emitted = np.empty((n_iter, b), dtype=np.int64)
     finish_iter = np.zeros(b, dtype=np.int64)
     active_after = np.empty(n_iter, dtype=np.int64)
@@ -91,24 +103,10 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
                             count += 1
                     drawn[r] += count
                 elif one_tier:
-                    # k + 1 − #{survival <= x}: the accepted count + 1, a binary search (searchsorted right).
-                    lo, hi = 0, k_pad
-                    while lo < hi:
-                        mid = (lo + hi) >> 1
-                        if survival_asc[mid] <= x:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    drawn[r] += k_plus_1 - lo
+                    # k + 1 − #{survival <= x}: the accepted count + 1.
+                    drawn[r] += k_plus_1 - _count_at_most(survival_asc, x)
                 else:
-                    lo, hi = 0, g_size
-                    while lo < hi:
-                        mid = (lo + hi) >> 1
-                        if grid[mid] <= x:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    drawn[r] += grid_tokens[r * (g_size + 1) + lo]
+                    drawn[r] += grid_tokens[r * (g_size + 1) + _count_at_most(grid, x)]
             now_emitted = drawn[r] if drawn[r] < remaining[r] else remaining[r]
             emitted[j, r] = now_emitted
             tokens[r] = now_emitted - prev

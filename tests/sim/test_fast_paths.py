@@ -104,13 +104,18 @@ def _plain_table_profile() -> Profile:
         "plain_step_ms_by_batch": [10.0, 16.0, 19.0, 20.0]}})
 
 
-def _run(profile: Profile, seed: int) -> tuple[SimResult, int]:
+def cycling_simulator(profile: Profile, seed: int, duration_s: float = 120.0) -> Simulator:
+    """Three replicas, the three tiers at 6 req/s, every tier's (T, k) redrawn at random (:class:`_Cycling`)."""
     slo = SLOSpec.default()
-    workload = make_workload(duration_s=120.0, arrivals={"kind": "poisson", "rate": 6.0},
+    workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": 6.0},
                              output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.6, "max": 400},
                              tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
-    sim = Simulator(SimConfig(seed=seed, replicas=3, max_batch=6), profile, slo, workload,
-                    _Cycling(slo, tuple(profile.available_draft_lengths(profile.default_div)), seed))
+    return Simulator(SimConfig(seed=seed, replicas=3, max_batch=6), profile, slo, workload,
+                     _Cycling(slo, tuple(profile.available_draft_lengths(profile.default_div)), seed))
+
+
+def _run(profile: Profile, seed: int) -> tuple[SimResult, int]:
+    sim = cycling_simulator(profile, seed)
     return sim.run(), sum(r.segments_drawn for r in sim.replicas)
 
 

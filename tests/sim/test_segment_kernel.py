@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 import sim.replica as replica_module
-from policies.slo import SLOSpec
 from sim.entities import WindowBins
 from sim.profile import SEPARATE_KV_PROFILE_PATH, Profile
-from sim.simulator import SimConfig, SimResult, Simulator
-from tests.sim.conftest import handmade_profile, make_workload
-from tests.sim.test_fast_paths import _Cycling, _plain_table_profile
+from sim.simulator import SimResult, Simulator
+from tests.sim.conftest import handmade_profile
+from tests.sim.test_fast_paths import _plain_table_profile, cycling_simulator
 
 # Columns that hold sums of distortion (float products, summed in an order numpy's matmul does not fix).
 _DISTORTION_COLUMNS = {WindowBins.DISTORTION}
@@ -31,12 +30,7 @@ def _run(profile: Profile, seed: int, kernel: bool,
         return compiled(*args)
 
     monkeypatch.setattr(replica_module, "draw_segment", counting)
-    slo = SLOSpec.default()
-    workload = make_workload(duration_s=150.0, arrivals={"kind": "poisson", "rate": 6.0},
-                             output_tokens={"kind": "lognormal", "median": 60, "sigma": 0.6, "max": 400},
-                             tier_mix={"lossless": 0.2, "standard": 0.5, "economy": 0.3})
-    sim = Simulator(SimConfig(seed=seed, replicas=3, max_batch=6), profile, slo, workload,
-                    _Cycling(slo, tuple(profile.available_draft_lengths(profile.default_div)), seed))
+    sim = cycling_simulator(profile, seed, duration_s=150.0)
     return sim, sim.run(), calls[0]
 
 

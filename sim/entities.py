@@ -10,11 +10,22 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from sim.workload import Requests
 
-# Queued (bins, rows) pairs that force a fold (memory bound when nothing reads the bins for long).
-_MAX_QUEUED = 1024
+
+@njit(cache=True, nogil=True)
+def add_rows(sums: np.ndarray, bins: np.ndarray, rows: np.ndarray, n: int, sign: float) -> None:
+    """``sums[bins[j]] += sign · rows[j]`` for j = 0 .. n − 1 in order, one addition per cell (``sign`` ±1: a − f
+    and a + (−f) are the same IEEE operation), compiled: a segment adds a few dozen rows, ~10⁵ times an hour."""
+    for j in range(n):
+        b = bins[j]
+        for f in range(rows.shape[1]):
+            if sign > 0:
+                sums[b, f] += rows[j, f]
+            else:
+                sums[b, f] -= rows[j, f]
 
 
 class RequestTable:
@@ -59,11 +70,10 @@ class WindowBins:
     iteration ending at time t lands in bin ``ceil(t / interval)``. Replicas add a whole drawn
     segment when they draw it and subtract the iterations a truncation voids, so a tick reads its bin
     (:meth:`window`) without touching any replica: iterations that end before a tick can no longer be
-    voided. Adds and subtracts are queued and folded into ``sums`` when a bin is read (so read bins
-    through :meth:`window`, not ``sums``), in one pass over everything queued that adds each bin's
-    rows in the order they came: the same float operations, bit for bit, as adding them one call at a
-    time, at a fraction of the cost (a segment spans several windows: an ``np.add.at`` per segment
-    and per truncation was a tenth of a run).
+    voided. Adds and subtracts go into ``sums`` at once, row by row in the order they come, by a compiled
+    loop (:func:`add_rows`; the segment kernel calls it too): the float operations of ``np.add.at`` per
+    call, at a fraction of the cost (an ``np.add.at`` per segment and per truncation was a tenth of a run;
+    sessions 19–35 queued the rows and folded them per tick with numpy calls to the same result).
 
     Feature columns of ``sums``: output tokens, decode sequence-iterations, accepted drafts,
     distortion, drafted tokens, decode iterations (steps), decode step time (ms), prefill time (ms,
@@ -89,67 +99,29 @@ class WindowBins:
         self.sums = np.zeros((n_bins, self.n_features))
         # Tick times w·interval for w < n_bins − 1: bin_of is one binary search in them, and a time
         # past the last lands in the last bin (past the horizon: a bin no tick reads).
-        self._tick_s = np.arange(n_bins - 1) * interval_s
+        self.tick_s = np.arange(n_bins - 1) * interval_s
         self.completed: dict[int, list[int]] = {}
-        # (bins, rows) not yet folded into sums, in call order; subtracted rows negated.
-        self._queued: list[tuple[np.ndarray, np.ndarray]] = []
 
     def bin_of(self, t: np.ndarray) -> np.ndarray:
         """Bins of times ``t``: the number of ticks w·interval strictly before each (= ceil(t / interval))."""
-        return self._tick_s.searchsorted(t, side="left")
+        return self.tick_s.searchsorted(t, side="left")
 
     def add(self, bins: np.ndarray, features: np.ndarray) -> None:
-        """``sums[bins[j]] += features[j]`` in order j = 0, 1, … (``bins`` non-decreasing)."""
-        if bins.size:
-            self._queued.append((bins, features))
-            if len(self._queued) >= _MAX_QUEUED:
-                self._fold()
+        """``sums[bins[j]] += features[j]`` in order j = 0, 1, …."""
+        add_rows(self.sums, bins, features, bins.size, 1.0)
 
     def subtract(self, bins: np.ndarray, features: np.ndarray) -> None:
-        """``sums[bins[j]] -= features[j]`` in order (``bins`` non-decreasing); see :meth:`add`."""
-        if bins.size:
-            self._queued.append((bins, -features))  # a − f and a + (−f) are the same IEEE operation
-            if len(self._queued) >= _MAX_QUEUED:
-                self._fold()
+        """``sums[bins[j]] -= features[j]`` in order; see :meth:`add`."""
+        add_rows(self.sums, bins, features, bins.size, -1.0)
 
     def window(self, w: int) -> np.ndarray:
         """Bin ``w``'s sums with everything added and subtracted so far (a view of ``sums[w]``)."""
-        if self._queued:
-            self._fold()
         row: np.ndarray = self.sums[w]
         return row
-
-    def _fold(self) -> None:
-        """``sums[bins[j]] += rows[j]`` for every queued row in order, in a few numpy calls.
-
-        A stable sort by bin puts each touched bin's current sums first, then its queued rows in call
-        order; a reduction over that slice adds them one after the other per column (never pairwise:
-        the reduced axis is not the contiguous one), so the sums are bit-identical to adding the rows
-        one call at a time.
-        """
-        queued = self._queued
-        self._queued = []
-        bins = np.concatenate([b for b, _ in queued])
-        lo = int(bins.min())
-        group = bins - lo
-        counts = np.bincount(group)
-        n_groups = counts.size
-        sums = self.sums
-        # Queued rows span a few hundred windows at most: int16 keys sort by radix (stable, linear).
-        key_type = np.int16 if n_groups <= np.iinfo(np.int16).max else np.int64
-        keys = np.concatenate((np.arange(n_groups), group)).astype(key_type)
-        rows = np.concatenate((sums[lo : lo + n_groups], *[r for _, r in queued]))
-        ordered = rows[np.argsort(keys, kind="stable")]
-        start = 0
-        for w, end in enumerate(np.cumsum(counts + 1).tolist(), lo):
-            sums[w] = np.add.reduce(ordered[start:end], axis=0)
-            start = end
 
     def totals(self) -> np.ndarray:
         """Every bin's sums added up (a copy): the run's totals per feature, e.g. decode tokens per
         sequence-iteration as the engine's counters give them."""
-        if self._queued:
-            self._fold()
         return np.asarray(self.sums.sum(axis=0))
 
     def add_completion(self, bin_index: int, request_id: int) -> None:

@@ -403,22 +403,25 @@ class Replica:
             survival_rows = _NO_ROWS if odds is None else self._request_survival(odds, ids, rows)
             step = settings.step_table(t0, one_tier, self.max_batch) if uniform else _NO_STEP_TABLE
             plain_ms = settings.plain_ms_by_rows
-            emitted, finish_iter, active_after, features, end_s, length = draw_segment(
+            events = rows.event_p is not None
+            emitted, finish_iter, active_after, features, end_s, length, bins = draw_segment(
                 u, off, remaining, one_tier, odds is not None, survival_rows, rows.survival_asc0, k_plus_1, rows.grid,
                 rows.grid_tokens, rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
                 _EMPTY if plain_ms is None else plain_ms, rows.onehot, _B + 2 * self.bins.n_tiers,
-                self.latency.prefill_ms(prefill_tokens) if n_new else 0.0, self.batch_limit if queue else 1, now)
+                self.latency.prefill_ms(prefill_tokens) if n_new else 0.0, self.batch_limit if queue else 1, now,
+                self.bins.tick_s, self.bins.sums, not events)
             distortion_rows: np.ndarray | None = None
-            if rows.event_p is not None:
+            if events:
                 tokens = np.diff(emitted, axis=0, prepend=np.zeros((1, b), dtype=np.int64))
                 distortion_rows = self._distortion_events(tokens, rows, features)
+                self.bins.add(bins[:length], features[:length])
             lag_grows: np.ndarray | None = None
         else:
             emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows = (
                 self._draw_general(now, settings, u, off, ids, remaining, rows, t0, one_tier, n_new,
                                    prefill_tokens, bool(queue)))
-        bins = self.bins.bin_of(end_s)
-        self.bins.add(bins[:length], features[:length])
+            bins = self.bins.bin_of(end_s)
+            self.bins.add(bins[:length], features[:length])
 
         end_list: list[float] = end_s.tolist()
         if n_new:

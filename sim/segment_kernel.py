@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from sim.entities import WindowBins
+from sim.entities import WindowBins, add_rows
 
 # WindowBins' columns as module ints (numba freezes globals it can type; not a class's attributes).
 _ACCEPTED = WindowBins.ACCEPTED
@@ -44,6 +44,19 @@ def _count_at_most(ascending: np.ndarray, x: float) -> int:
     return lo
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _count_below(ascending: np.ndarray, x: float) -> int:
+    """#{v in ascending : v < x}: numpy's ``searchsorted(x, side="left")``."""
+    lo, hi = 0, ascending.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ascending[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 @njit(cache=True, nogil=True)
 def draw_segment(  # one flat signature of arrays and scalars: numba compiles one specialisation
     u: np.ndarray,  # [h, b] uniforms (the replica's rng, drawn as the numpy path draws them)
@@ -68,9 +81,13 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
     prefill_ms: float,  # iteration 0's ms when off
     stop_below: int,  # the segment ends after the first iteration with fewer rows left than this
     now: float,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    tick_s: np.ndarray,  # the control ticks' times (WindowBins.bin_of's)
+    sums: np.ndarray,  # WindowBins.sums: the drawn iterations are added here when add_to_sums
+    add_to_sums: bool,  # False where the caller still changes features (distortion events) and adds them itself
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
     """``(emitted [L, b] cumulative and clipped, finish_iter [b], active_after [L], features [L, F],
-    end_s [L], length)`` with L = h + off, as the numpy path computes them."""
+    end_s [L], length, bins [L])`` with L = h + off, as the numpy path computes them; with ``add_to_sums`` the
+    first ``length`` iterations' features are added to ``sums`` at their bins (WindowBins.add)."""
     h, b = u.shape
     n_iter = h + off
     n_f = weights.shape[1]
@@ -172,4 +189,9 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
         for f in range(n_f):
             features[0, f] = 0.0  # the prefill iteration: no tokens, no sequences decoded
         features[0, _PREFILL_MS] = prefill_ms
-    return emitted, finish_iter, active_after, features, end_s, length
+    bins = np.empty(n_iter, dtype=np.int64)
+    for j in range(n_iter):
+        bins[j] = _count_below(tick_s, end_s[j])
+    if add_to_sums:
+        add_rows(sums, bins, features, length, 1.0)
+    return emitted, finish_iter, active_after, features, end_s, length, bins

@@ -18,7 +18,7 @@ from sim.workload import Requests
 from tests.sim.conftest import handmade_profile, make_workload
 
 
-def test_window_bins_fold_matches_add_at_bit_for_bit() -> None:
+def test_window_bins_match_add_at_bit_for_bit() -> None:
     rng = np.random.default_rng(7)
     bins = WindowBins(1.0, 60.0, 3)
     ref = np.zeros_like(bins.sums)

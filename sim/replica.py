@@ -3,10 +3,9 @@
 Speed is the point of this module. Instead of one event per iteration, a replica draws a *segment*
 of iterations at once (compiled, sim.segment_kernel; numpy where it leaves a case) — accepted counts for
 every (iteration, sequence), the batch size of every iteration as sequences finish, and the iteration end
-times — and schedules a single event at
-the segment's end. A segment ends at the first iteration boundary where something could change: a
-queued request can join (room in the batch), every sequence is done, or the segment's horizon. An
-arrival or a new threshold *truncates* the segment at the first boundary at or after its time;
+times — and schedules a single event at the segment's end. A segment ends at the first iteration boundary
+where something could change: a queued request can join (room in the batch), every sequence is done, or the
+segment's horizon. An arrival or a new threshold *truncates* the segment at the first boundary at or after its time;
 draws past the cut are discarded (the RNG is the simulator's, so runs stay deterministic).
 A drawn segment writes its consequences at once — first-token and completion times into the request
 table, per-iteration sums into the control windows' bins (:class:`sim.entities.WindowBins`) — and a

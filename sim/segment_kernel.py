@@ -31,32 +31,6 @@ _TOKENS = WindowBins.TOKENS
 VERIFY_A, DRAFT_A, VERIFY_B, VERIFY_C, DRAFT_B, PLAIN_FIXED, PLAIN_PER_ROW = range(7)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _count_at_most(ascending: np.ndarray, x: float) -> int:
-    """#{v in ascending : v <= x}: numpy's ``searchsorted(x, side="right")``, a binary search."""
-    lo, hi = 0, ascending.shape[0]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ascending[mid] <= x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _count_below(ascending: np.ndarray, x: float) -> int:
-    """#{v in ascending : v < x}: numpy's ``searchsorted(x, side="left")``."""
-    lo, hi = 0, ascending.shape[0]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ascending[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 @njit(cache=True, nogil=True)
 def draw_segment(  # one flat signature of arrays and scalars: numba compiles one specialisation
     u: np.ndarray,  # [h, b] uniforms (the replica's rng, drawn as the numpy path draws them)
@@ -121,9 +95,9 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
                     drawn[r] += count
                 elif one_tier:
                     # k + 1 − #{survival <= x}: the accepted count + 1.
-                    drawn[r] += k_plus_1 - _count_at_most(survival_asc, x)
+                    drawn[r] += k_plus_1 - np.searchsorted(survival_asc, x, side="right")
                 else:
-                    drawn[r] += grid_tokens[r * (g_size + 1) + _count_at_most(grid, x)]
+                    drawn[r] += grid_tokens[r * (g_size + 1) + np.searchsorted(grid, x, side="right")]
             now_emitted = drawn[r] if drawn[r] < remaining[r] else remaining[r]
             emitted[j, r] = now_emitted
             tokens[r] = now_emitted - prev
@@ -154,8 +128,6 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
                 ms = float(plain_ms[active_before])
             else:
                 ms = mixed[PLAIN_FIXED] + mixed[PLAIN_PER_ROW] * active_before
-            if j == 0 and off == 1:
-                ms = prefill_ms
             spec = 1.0 if k_max > 0 else 0.0
             features[j, _SEQ_ITERS] = active_before
             features[j, _DRAFTED] = drafted
@@ -191,7 +163,7 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
         features[0, _PREFILL_MS] = prefill_ms
     bins = np.empty(n_iter, dtype=np.int64)
     for j in range(n_iter):
-        bins[j] = _count_below(tick_s, end_s[j])
+        bins[j] = np.searchsorted(tick_s, end_s[j], side="left")  # WindowBins.bin_of
     if add_to_sums:
         add_rows(sums, bins, features, length, 1.0)
     return emitted, finish_iter, active_after, features, end_s, length, bins

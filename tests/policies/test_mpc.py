@@ -1237,8 +1237,8 @@ def test_stall_windows_plans_the_measured_prefill_share_and_no_less_than_the_rat
 
 def test_draft_prior_plain_predicts_unmeasured_speculative_steps_at_the_plain_correction() -> None:
     """Plain steps measured at 1.3x the model for 20 windows, no speculative step yet: with draft_prior "plain" every
-    k_max's correction is plain's (the machine's state moves both models), with "model" it is 1; the predicted step
-    of a speculative candidate follows. Once a speculative window is measured (0.9x) its own fit takes over."""
+    k_max's correction is plain's (the machine's state moves both models), with "model" it is 1. Once a speculative
+    window is measured (0.9x) its own fit takes over."""
     def run(prior: str) -> ModelPredictivePolicy:
         policy = ModelPredictivePolicy(make_slo(), toy_model(), draft_prior=prior)
         c = policy.model.cost

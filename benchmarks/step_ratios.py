@@ -4,7 +4,7 @@ The model-predictive policy corrects its step model online with a line in the pe
 (``policies.step_correction``): the line's slope, learned where a light phase runs one or two rows, is what it
 extrapolates to a burst's five or six. This script reads the same windows the policy read (each tick's
 ``plain_steps`` / ``speculative_steps`` totals, against the run's recorded operating model, the sums as
-``policies.mpc.speculative_step_line`` forms them) and tabulates the ratio per kind of step, k_max (speculative) and rounded mean batch,
+``policies.operating_model.speculative_step_line`` forms them) and tabulates the ratio per kind of step, k_max (speculative) and rounded mean batch,
 over every run of each file; so whether a line is the right shape is read off the data, not the fit.
 With ``--fits`` it also replays each run's windows, in order, through the two shapes of online fit the policy
 can use (``step_fit`` "line", :class:`~policies.step_correction.StepCorrection`, and "batch",
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.report import emit  # noqa: E402
-from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel, speculative_step_line  # noqa: E402
+from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel, speculative_step_line  # noqa: E402
 from policies.registry import MPCParams  # noqa: E402
 from policies.step_correction import BatchStepCorrection, StepCorrection  # noqa: E402
 from policies.telemetry import StepTotals  # noqa: E402

@@ -47,7 +47,7 @@ from controller.protocol import ReplicaReport, ReplicaState, ReportReply, Thresh
 from controller.telemetry_agg import TelemetryAggregator, Window
 from policies.base import Policy
 from policies.decision import Decision, decision_draft_lengths, decision_to_json
-from policies.mpc import OperatingModel
+from policies.operating_model import OperatingModel
 from policies.registry import DEFAULT_POLICY_SPEC, resolve_spec
 from policies.slo import SLOSpec
 from policies.telemetry import to_json
@@ -81,7 +81,7 @@ def served_operating_model(pair: str, div: str, profile_path: str | None = None,
     line (and the log) says so: its acceptance is another draft's. With ``share_kv`` False (the draft on its own
     KV cache) the pair's ``sim/profiles/<pair>-separate-kv.json`` where there is one: that engine prefills the
     draft apart and catches it up, which the shared-cache profile does not model."""
-    from policies.mpc import DEFAULT_MODEL_PATH
+    from policies.operating_model import DEFAULT_MODEL_PATH
     from sim.profile import PROFILES_DIR, Profile
 
     def checked(profile: Profile, line: str) -> str:

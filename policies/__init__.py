@@ -9,7 +9,8 @@ from policies.base import Policy
 from policies.decision import Decision
 from policies.feedforward import FeedForwardPolicy, LinearLatencyModel, SpeedCurve, SpeedPoint
 from policies.guards import FailSafe, Hysteresis, QualityGuard, RateLimit, TierClamp, guarded
-from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost
+from policies.mpc import ModelPredictivePolicy
+from policies.operating_model import OperatingModel, OperatingPoint, StepCost
 from policies.pid import PID, PIDPolicy
 from policies.registry import POLICY_NAMES, describe, make_policy
 from policies.slo import CostTarget, SLOSpec, TierSLO

@@ -80,219 +80,21 @@ The policy never reads a clock; time and every measurement come in the :class:`T
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from policies.decision import Decision
+from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel, speculative_step_line
+from policies.ranking import anchored_z, lexmin, normal_cdf, row_sums, weighted_column_sums
 from policies.slo import SLOSpec, TierSLO, tiers_by_budget
 from policies.step_correction import BatchStepCorrection, StepCorrection
 from policies.telemetry import StepTotals, Telemetry
-
-MODELS_DIR = Path(__file__).parent / "models"
-#: The operating model of the default pair (SmolLM2-135M → int8 copy), converted from the calibrated
-#: profile sim/profiles/smollm2-135m.json; what a live controller without a profile of its own uses.
-DEFAULT_MODEL_PATH = MODELS_DIR / "smollm2-135m.json"
-
-
-@dataclass(frozen=True, slots=True)
-class OperatingPoint:
-    """At (T, k): mean tokens emitted per sequence per step (1 + accepted drafts) and mean distortion."""
-
-    threshold: float
-    k: int
-    tokens_per_step: float
-    mean_distortion: float
-    #: Tokens per step at an engine batch of 1, 2, … rows (``()``: the same at every batch; beyond the
-    #: last entry, the last). ``tokens_per_step`` is the batch the acceptance was measured at.
-    tokens_per_step_by_batch: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.threshold) and self.threshold >= 0):
-            raise ValueError(f"threshold must be finite and >= 0, got {self.threshold}")
-        if self.k < 0:
-            raise ValueError(f"k must be >= 0, got {self.k}")
-        for tokens in (self.tokens_per_step, *self.tokens_per_step_by_batch):
-            if not (math.isfinite(tokens) and 1.0 <= tokens <= self.k + 1 + 1e-9):
-                raise ValueError(f"tokens_per_step must be in [1, k + 1], got {tokens} at k={self.k}")
-        if not (math.isfinite(self.mean_distortion) and self.mean_distortion >= 0):
-            raise ValueError(f"mean_distortion must be finite and >= 0, got {self.mean_distortion}")
-
-
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    """Step time in ms over B rows (the simulator's model; see sim/profile.py):
-
-    * all rows at k = 0: ``plain_fixed_ms + plain_per_seq_ms · B``;
-    * otherwise ``k_max · (draft_fixed_ms) + verify_fixed_ms + Σ_rows (verify_per_seq_ms +
-      verify_per_token_ms · k_r + [k_r > 0] · k_max · draft_per_seq_ms)``.
-    """
-
-    draft_fixed_ms: float
-    draft_per_seq_ms: float
-    verify_fixed_ms: float
-    verify_per_seq_ms: float
-    verify_per_token_ms: float
-    plain_fixed_ms: float
-    plain_per_seq_ms: float
-    prefill_fixed_ms: float = 0.0
-    prefill_ms_per_token: float = 0.0
-    #: The draft's forward over tokens it has not seen: a row that ran at k = 0 (the draft skipped its
-    #: prompt and output) catches up when it drafts, one padded forward over the rows' backlog.
-    #: 0 and 0: not measured (no catch-up charged).
-    draft_prefill_fixed_ms: float = 0.0
-    draft_prefill_ms_per_token: float = 0.0
-    #: Measured plain steps at 1, 2, … rows (``()``: the line above): the plain step is then piecewise
-    #: linear through them (:func:`plain_step_line`), ``plain_per_seq_ms`` per row beyond the last.
-    plain_ms_by_batch: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            for v in value if isinstance(value, tuple) else (value,):
-                if not (math.isfinite(v) and v >= 0):
-                    raise ValueError(f"{name} must be finite and >= 0, got {v}")
-
-    def plain_line(self, batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
-        """(fixed, per row) of the plain step's line at ``batch`` (see :func:`plain_step_line`)."""
-        return plain_step_line(self.plain_ms_by_batch, self.plain_fixed_ms, self.plain_per_seq_ms, batch)
-
-
-def speculative_step_line(cost: Any, totals: StepTotals) -> tuple[float, float]:
-    """The model's (fixed ms, per-row ms) of the mean speculative step in ``totals`` (what those steps held:
-    draft forwards, verify widths, drafted rows), the line a window's measured mean step is set against."""
-    n, rows = totals.steps, totals.rows
-    fixed = (n * cost.verify_fixed_ms + totals.draft_forwards * cost.draft_fixed_ms) / n
-    per_row = (rows * cost.verify_per_seq_ms + totals.verify_tokens * cost.verify_per_token_ms
-               + totals.drafted_row_forwards * cost.draft_per_seq_ms) / rows
-    return fixed, per_row
-
-
-def plain_step_line(by_batch: Sequence[float], fixed_ms: float, per_row_ms: float,
-                    batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
-    """(fixed, per row) ms of the segment of the plain step that holds ``batch``: step = fixed + per_row · B.
-
-    ``by_batch[i]`` is the measured step at i + 1 rows; between two measured batches the step is the
-    straight line through them (below one row, the first segment's); from the last one on it grows by
-    ``per_row_ms`` per row. Empty ``by_batch``: the line ``fixed_ms + per_row_ms · B`` everywhere. Why a
-    table: on the default pair the plain step is concave in the batch (session 16: 51.6 / 73.3 / 91.0 /
-    99.0 / 113.4 ms at 1 / 2 / 3 / 4 / 8 rows), so the least-squares line is 26 % high at one row and
-    11 % low at three, and a correction learned at one row then under-predicts three by ~30 %.
-    """
-    b = np.asarray(batch, dtype=float)
-    n = len(by_batch)
-    if n == 0:
-        return np.full(b.shape, fixed_ms), np.full(b.shape, per_row_ms)
-    table = np.asarray(by_batch, dtype=float)
-    beyond = b >= n
-    if n == 1:
-        lo = np.zeros(b.shape, dtype=np.int64)
-        slope = np.zeros(b.shape)
-    else:
-        lo = np.clip(np.floor(b).astype(np.int64), 1, n - 1)  # segment [lo, lo + 1] in rows
-        slope = table[lo] - table[lo - 1]
-        lo = lo - 1
-    slope = np.where(beyond, per_row_ms, slope)
-    anchor_rows = np.where(beyond, float(n), lo + 1.0)
-    anchor_ms = np.where(beyond, table[n - 1], table[lo])
-    return anchor_ms - slope * anchor_rows, slope
-
-
-@dataclass(frozen=True, slots=True)
-class OperatingModel:
-    """Operating points over (T, k) (k = 0 included) for one divergence, and the step cost."""
-
-    points: tuple[OperatingPoint, ...]
-    cost: StepCost
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if not any(p.k == 0 for p in self.points):
-            raise ValueError("points: the model needs a k = 0 point (plain decoding)")
-        if any(p.k == 0 and (p.tokens_per_step != 1.0 or p.mean_distortion != 0.0) for p in self.points):
-            raise ValueError("points: k = 0 emits one token per step without distortion")
-        lengths = {len(p.tokens_per_step_by_batch) for p in self.points if p.k > 0}
-        if len(lengths) > 1:
-            raise ValueError(f"points: tokens_per_step_by_batch must have one length for every k > 0 point, got {sorted(lengths)}")
-
-    @property
-    def batch_sizes(self) -> int:
-        """Batch sizes the points carry tokens for (0: acceptance does not depend on the batch)."""
-        return max((len(p.tokens_per_step_by_batch) for p in self.points), default=0)
-
-    def batch_curve(self, k: int) -> np.ndarray | None:
-        """Tokens per step [T points sorted by T, batch 1..:attr:`batch_sizes`] at draft length ``k``;
-        None when the model has no batch dependence."""
-        n_b = self.batch_sizes
-        if n_b == 0:
-            return None
-        pts = sorted((p for p in self.points if p.k == k), key=lambda p: p.threshold)
-        if not pts:
-            raise ValueError(f"k={k} is not in the model; known: {self.draft_lengths}")
-        return np.array([p.tokens_per_step_by_batch or (p.tokens_per_step,) * n_b for p in pts])
-
-    @property
-    def draft_lengths(self) -> list[int]:
-        return sorted({p.k for p in self.points})
-
-    def curve(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(T, tokens per step, distortion) at draft length ``k``, sorted by T."""
-        pts = sorted((p for p in self.points if p.k == k), key=lambda p: p.threshold)
-        if not pts:
-            raise ValueError(f"k={k} is not in the model; known: {self.draft_lengths}")
-        return (
-            np.array([p.threshold for p in pts]),
-            np.array([p.tokens_per_step for p in pts]),
-            np.array([p.mean_distortion for p in pts]),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        points = []
-        for p in self.points:
-            d = asdict(p)
-            if not p.tokens_per_step_by_batch:
-                del d["tokens_per_step_by_batch"]  # the files of models without batch dependence stay as they were
-            else:
-                d["tokens_per_step_by_batch"] = list(p.tokens_per_step_by_batch)
-            points.append(d)
-        cost = asdict(self.cost)
-        if self.cost.plain_ms_by_batch:
-            cost["plain_ms_by_batch"] = list(self.cost.plain_ms_by_batch)
-        else:
-            del cost["plain_ms_by_batch"]  # models without a measured plain-step table stay as they were
-        return {"source": self.source, "cost": cost, "points": points}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> OperatingModel:
-        try:
-            return cls(
-                points=tuple(OperatingPoint(**{**p, "tokens_per_step_by_batch": tuple(p.get("tokens_per_step_by_batch", ()))})
-                             for p in data["points"]),
-                cost=StepCost(**{**data["cost"],
-                                 "plain_ms_by_batch": tuple(data["cost"].get("plain_ms_by_batch", ()))}),
-                source=str(data.get("source", "")),
-            )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"operating model: malformed ({exc})") from None
-
-    @classmethod
-    def load(cls, path: str | Path) -> OperatingModel:
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"operating model file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"operating model file {str(path)!r} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def _batch_bracket(batch: np.ndarray, n_b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -309,29 +111,6 @@ def _ewma(old: float, new: float, alpha: float) -> float:
     return new if not math.isfinite(old) else alpha * new + (1.0 - alpha) * old
 
 
-def _sum_left_to_right(columns: Sequence[np.ndarray]) -> np.ndarray:
-    """Elementwise ``columns[0] + columns[1] + …``, added left to right as numpy's row sum adds fewer than 8
-    terms (so bit for bit ``np.stack(columns, axis=1).sum(axis=1)`` for them), without its per-row loop."""
-    total = np.array(columns[0], dtype=float)  # a copy: callers may work on the sum in place
-    for column in columns[1:]:
-        total = total + column
-    return total
-
-
-def _row_sums(a: np.ndarray) -> np.ndarray:
-    """``a.sum(axis=1)`` for a 2-D ``a``, bit for bit, faster on few columns (~6x on [2356, 3])."""
-    if a.shape[1] == 0 or a.shape[1] >= 8:
-        return np.asarray(a.sum(axis=1), dtype=float)
-    return _sum_left_to_right([a[:, i] for i in range(a.shape[1])])
-
-
-def _weighted_column_sums(columns: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
-    """``_row_sums(np.stack(columns, axis=1) * weights)``, bit for bit, without building the matrix."""
-    if len(columns) >= 8:
-        return _row_sums(np.stack(columns, axis=1) * weights)
-    return _sum_left_to_right([column * weight for column, weight in zip(columns, weights, strict=True)])
-
-
 #: Steps in a joiner's TTFT besides its wait for a slot: the rest of the step running when it arrives (half
 #: a step on average: steps are admission points) and the decode step its prefill is fused with.
 _TTFT_STEPS = 1.5
@@ -340,60 +119,6 @@ _TTFT_STEPS = 1.5
 _STEP_FITS = frozenset({"line", "batch"})
 _ONE_ROW = np.ones(1)  # where a line's factors are read: the same at every batch
 _Z95 = 1.6448536269514722  # the standard normal's 95th percentile
-
-
-_LOGISTIC = 1.702  # Φ(x) ≈ 1 / (1 + exp(−1.702 x)), within 0.01
-
-
-def _normal_cdf(x: np.ndarray) -> np.ndarray:
-    """Φ(x), the logistic approximation: ranks candidates, thousands per tick."""
-    return np.asarray(1.0 / (1.0 + np.exp(-_LOGISTIC * np.clip(x, -30.0, 30.0))), dtype=float)
-
-
-def _phi(x: float) -> float:
-    """:func:`_normal_cdf` of one value, without numpy's per-call cost."""
-    return 1.0 / (1.0 + math.exp(-_LOGISTIC * min(max(x, -30.0), 30.0)))
-
-
-def _anchored_z(ratios_now: Sequence[float], spreads: Sequence[float], measured: float) -> float:
-    """The ``z`` at which ``Π Φ(z − ln r / σ)`` over a tier's latency ratios in force equals its measured
-    attainment (clipped to [0.02, 0.98]): bisection, the product rising in ``z``."""
-    target = min(max(measured, 0.02), 0.98)
-    logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
-    lo, hi = -40.0, 40.0
-    # Scalar (numpy calls here cost the control tick ~0.7 ms a tier, session 17), and _phi inlined: 30
-    # steps × one or two factors, three times a tick. The same operations as
-    # ``math.prod(_phi(mid - x) for x in logs)`` (prod starts from the int 1, and 1 · p is p).
-    exp, c = math.exp, -_LOGISTIC
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        prod = 1.0
-        for x in logs:
-            v = mid - x
-            v = -30.0 if v < -30.0 else 30.0 if v > 30.0 else v  # min(max(v, −30), 30); NaN stays NaN
-            prod = prod * (1.0 / (1.0 + exp(c * v)))
-        if prod < target:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
-def _lexmin(keys: Sequence[np.ndarray]) -> int:
-    """``np.lexsort(keys)[0]`` (the last key primary; ties to the lowest index) by narrowing the
-    candidates key by key instead of sorting them all (lexsort of 5 keys over ~2,400 rows: ~3 ms)."""
-    idx: np.ndarray | None = None
-    for key in reversed(keys):
-        values = key if idx is None else key[idx]
-        low = values.min()
-        if math.isnan(low):  # lexsort sorts NaN last; keep its exact semantics for that rare case
-            return int(np.lexsort(keys)[0])
-        hits = np.flatnonzero(values == low)
-        idx = hits if idx is None else idx[hits]
-        if idx.size == 1:
-            break
-    assert idx is not None and idx.size > 0
-    return int(idx[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -1130,7 +855,7 @@ class ModelPredictivePolicy:
     @staticmethod
     def _draft_share(ks: np.ndarray, shares: np.ndarray) -> np.ndarray:
         """[candidates] traffic share of the tiers that draft (k > 0) in each candidate row of ``ks``."""
-        return np.asarray(_row_sums((ks > 0) * shares), dtype=float)
+        return np.asarray(row_sums((ks > 0) * shares), dtype=float)
 
     def _switches_kind(self, plain: np.ndarray, active: np.ndarray) -> np.ndarray:
         """[candidates] 1.0 where a candidate's kind of step (``plain``: every active tier at k = 0)
@@ -1300,7 +1025,7 @@ class ModelPredictivePolicy:
         length = self.mean_output_tokens if math.isfinite(self.mean_output_tokens) else 200.0
         lam = self.arrival_rate if math.isfinite(self.arrival_rate) else 0.0
         # Step time is linear in B: step = f + p·B (per candidate); tokens per row-step averaged by share.
-        per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, _row_sums(u.per_row * shares))
+        per_seq = np.where(u.plain, self.model.cost.plain_per_seq_ms, row_sums(u.per_row * shares))
         probe = self._probing(active, telemetry.in_flight)
         k_now = int(np.where(active, self._ks_now(), 0).max())
         unique = (u.k_max_keys, u.k_max_at)
@@ -1323,7 +1048,7 @@ class ModelPredictivePolicy:
         # What does not depend on the planned batch, once for both of predict's loads:
         # joiners' prefills stall the running batch (admit, then step): a replica spends a share λ·prefill of its
         # time prefilling, which stretches every running sequence's TPOT.
-        draft_share = np.asarray(_row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
+        draft_share = np.asarray(row_sums(u.drafts * shares), dtype=float)  # = _draft_share(ks, shares)
         stall = self._stall(lam, act_idx, ks, shares, draft_share)
         # A tier that starts drafting makes the draft catch up on its rows' backlog: one long step.
         catch_up_now = self._catch_up_tpot(ks, shares, running_now, length, draft_share)
@@ -1352,7 +1077,7 @@ class ModelPredictivePolicy:
             # re-reads n̄ and the plain segment at the batch the last one planned.
             for _ in range(1 if by_batch is None and not (plain_table or by_rows) else 3 if plain_table or by_rows
                            else 2):
-                mean_tokens = _row_sums(tokens * shares)
+                mean_tokens = row_sums(tokens * shares)
                 x = lam * length / (1000.0 * mean_tokens)
                 denom = 1.0 - x * p
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -1378,7 +1103,7 @@ class ModelPredictivePolicy:
                 if plain_table or by_rows:
                     f, p = corrected_line(batch)
             if by_batch is not None:
-                mean_tokens = _row_sums(tokens * shares)
+                mean_tokens = row_sums(tokens * shares)
             step = f + p * batch
             # A switch holds for a while: the rows running now pay the catch-up, those that arrive over a request's
             # life (about the candidate's planned batch) do not, so it is their share of the charge.
@@ -1468,7 +1193,7 @@ class ModelPredictivePolicy:
             # budget-pruned universe's best effort: every tick of an overloaded hour).
             take: np.ndarray | slice = slice(None) if pool.size == n else pool
             best_effort_tpot = np.round(
-                _row_sums(tpot_ranked[take][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
+                row_sums(tpot_ranked[take][:, best_effort_tiers] * shares[best_effort_tiers]), 1)
             distortion_pool = u.base_distortion[take] * self.distortion_correction
             distortion_keys = [np.round(distortion_pool[:, i], 4) for i in self._distortion_order]
             if mode == "meets":
@@ -1486,11 +1211,11 @@ class ModelPredictivePolicy:
                     z = self._attainment_z[name]
                     measured = self.measured_attainment[name]
                     if now is not None and math.isfinite(measured):
-                        z = _anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
+                        z = anchored_z([float(r[now]) for _, r in tier_ratios], spreads, measured)
                     for (_, ratio), spread in zip(tier_ratios, spreads, strict=True):
                         ratio_pool = ratio[take]
                         violation[i] += np.maximum(ratio_pool - 1.0, 0.0)
-                        attained[i] *= _normal_cdf(z - np.log(ratio_pool) / spread)
+                        attained[i] *= normal_cdf(z - np.log(ratio_pool) / spread)
                 # The objective where no candidate meets: the most attainment. Each tier's share of requests
                 # meeting its targets, predicted from how far each candidate moves its latencies against its
                 # targets (in the spread of its requests' latencies): from what is measured at the point in
@@ -1498,13 +1223,13 @@ class ModelPredictivePolicy:
                 # share. Not "tiers that meet" (0 or 1 each): with that a tier predicted to miss counted
                 # nothing whatever its step, and a loose tier drafting (to meet) at a full batch tripled the
                 # step of a tight tier that still met half its requests at k = 0 (set F, session 17).
-                predicted_attainment = _weighted_column_sums(attained, shares)
-                weighted_violation = _weighted_column_sums(violation, shares)
+                predicted_attainment = weighted_column_sums(attained, shares)
+                weighted_violation = weighted_column_sums(violation, shares)
                 # Most attainment, then the smallest violation, then the fastest (the cost order lets the
                 # loose tiers spend their budget on capacity), then least distortion.
                 keys = [*reversed(distortion_keys), np.round(cost[take], 2), best_effort_tpot,
                         np.round(weighted_violation, 2), -np.round(predicted_attainment, 3)]
-            chosen = _lexmin(keys)
+            chosen = lexmin(keys)
             return int(pool[chosen]), mode, distortion_pool[chosen]
 
         best, mode, best_distortion = select(None)
@@ -1621,7 +1346,7 @@ class ModelPredictivePolicy:
             tokens = self._tokens_at(by_batch, rows, ks_plus_1) if by_batch is not None else tokens_model
             step = f + p * rows
             tpot = (step / (1.0 - stall))[:, None] / tokens + catch_up[:, None]
-            return step, tokens, _row_sums(tokens * shares), tpot
+            return step, tokens, row_sums(tokens * shares), tpot
 
         rows_ok = np.zeros(n)
         for r in range(1, self.max_batch + 1):

@@ -27,7 +27,8 @@ from policies.bandit import BanditPolicy
 from policies.base import Policy
 from policies.feedforward import FeedForwardPolicy, LinearLatencyModel, SpeedCurve, SpeedPoint
 from policies.guards import guarded
-from policies.mpc import ModelPredictivePolicy, OperatingModel
+from policies.mpc import ModelPredictivePolicy
+from policies.operating_model import OperatingModel
 from policies.pid import PIDPolicy
 from policies.signals import ControlMetric, LoadSignal
 from policies.slo import SLOSpec

@@ -23,7 +23,7 @@ from typing import Any
 
 from policies.base import Policy
 from policies.decision import decision_to_json
-from policies.mpc import OperatingModel
+from policies.operating_model import OperatingModel
 from policies.registry import ADDED_SINCE_RECORDED, resolve_spec
 from policies.slo import SLOSpec
 from policies.telemetry import telemetry_from_json

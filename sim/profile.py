@@ -42,7 +42,7 @@ from fsd_common.validation import format_validation_error
 
 if TYPE_CHECKING:
     from policies.feedforward import LinearLatencyModel, SpeedCurve
-    from policies.mpc import OperatingModel
+    from policies.operating_model import OperatingModel
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # Calibrated on the engine (``fsd calibrate``): SmolLM2-135M fp32 → int8, one torch thread, 2-core CPU.
@@ -145,7 +145,7 @@ class LatencyModel(BaseModel):
     plain_step_ms_by_batch: list[float] | None = Field(
         None, description="k = 0 step measured at 1, 2, … rows (interpolated between measured batch sizes): "
         "the plain step is piecewise linear through them and grows by plain_step_b_ms per row beyond the "
-        "last (policies.mpc.plain_step_line); None: the line plain_step_a_ms + plain_step_b_ms·B"
+        "last (policies.operating_model.plain_step_line); None: the line plain_step_a_ms + plain_step_b_ms·B"
     )
     prefill_ms_by_tokens: list[tuple[float, float]] | None = Field(
         None, description="(prompt tokens, ms) of the target's prefill as measured, ascending in tokens: a "
@@ -194,7 +194,7 @@ class LatencyModel(BaseModel):
 
     def plain_line(self, batch: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
         """(fixed, per row) of the plain step's segment at ``batch`` rows (one line without a table)."""
-        from policies.mpc import plain_step_line
+        from policies.operating_model import plain_step_line
 
         a, b = self.plain_coeffs()
         return plain_step_line(self.plain_step_ms_by_batch or (), a, b, batch)
@@ -682,7 +682,7 @@ class Profile(BaseModel):
 def to_operating_model(profile: Profile, div: str | None = None, source: str = "") -> OperatingModel:
     """The model-predictive policy's plain-data model: (T, k) points of ``div`` (k = 0 included) and the
     step cost. Lives beside :class:`Profile` so the policies package never imports the simulator."""
-    from policies.mpc import OperatingModel, OperatingPoint, StepCost
+    from policies.operating_model import OperatingModel, OperatingPoint, StepCost
 
     div = div or profile.default_div
     points = [OperatingPoint(threshold=0.0, k=0, tokens_per_step=1.0, mean_distortion=0.0)]

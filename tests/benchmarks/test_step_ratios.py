@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.step_ratios import first_speculative_errors, fit_errors, main, window_ratios, window_steps
-from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel
+from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel
 from policies.slo import SLOSpec
 from tests.sim.conftest import recorded_history
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from policies.decision import Decision
-from policies.mpc import ModelPredictivePolicy, OperatingModel, OperatingPoint, StepCost, _Universe
+from policies.mpc import ModelPredictivePolicy, _Universe
+from policies.operating_model import OperatingModel, OperatingPoint, StepCost
 from policies.slo import SLOSpec, TierSLO
 from policies.telemetry import LatencySummary, StepTotals, Telemetry
 from tests.policies.builders import make_slo, make_telemetry, make_tier_window
@@ -293,55 +294,6 @@ def test_bad_replica_bounds_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), min_replicas=2, max_replicas=1)
     with pytest.raises(ValueError, match="scale_down_slack"):
         ModelPredictivePolicy(make_slo(), toy_model(), max_replicas=2, scale_down_slack=-0.1)
-
-
-def test_fast_lexmin_and_row_sums_match_numpy_bit_for_bit() -> None:
-    """The policy's search picks ``np.lexsort(keys)[0]`` and sums rows as ``a.sum(axis=1)`` does, exactly:
-    a different tie-break or rounding would change which (T, k) it chooses."""
-    import numpy as np
-
-    from policies.mpc import _lexmin, _row_sums
-
-    rng = np.random.default_rng(7)
-    for trial in range(300):
-        n = int(rng.integers(1, 400))
-        # Coarse values: many ties on every key, which is where the tie-break order matters.
-        keys = [np.round(rng.random(n) * rng.integers(1, 5), 1) for _ in range(int(rng.integers(1, 8)))]
-        if trial % 10 == 0:
-            keys[-1][rng.integers(0, n)] = np.nan  # NaN sorts last in lexsort
-        if trial % 7 == 0:
-            keys[0] = -keys[0] * 0.0  # -0.0 ties with 0.0
-        assert _lexmin(keys) == int(np.lexsort(keys)[0]), f"trial {trial}"
-    for cols in range(0, 10):
-        a = rng.random((257, cols)) * rng.random(cols) * 1e3
-        assert np.array_equal(_row_sums(a), a.sum(axis=1)), f"{cols} columns"
-
-
-def _anchored_z_reference(ratios_now: list[float], spreads: list[float], measured: float) -> float:
-    """The bisection as it was written before its factors were inlined (session 20)."""
-    from policies.mpc import _phi
-
-    target = min(max(measured, 0.02), 0.98)
-    logs = [math.log(max(r, 1e-9)) / s for r, s in zip(ratios_now, spreads, strict=True)]
-    lo, hi = -40.0, 40.0
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if math.prod(_phi(mid - x) for x in logs) < target else (lo, mid)
-    return 0.5 * (lo + hi)
-
-
-def test_anchored_z_matches_the_product_form_bit_for_bit() -> None:
-    from policies.mpc import _anchored_z
-
-    rng = np.random.default_rng(11)
-    for trial in range(3000):
-        n = int(rng.integers(0, 4))
-        # Ratios from far inside to far past the target (the clip at ±30 binds at both ends).
-        ratios = (np.exp(rng.normal(0.0, 3.0, n)) * rng.choice([1e-12, 1.0, 1e12], n)).tolist()
-        spreads = rng.uniform(0.05, 1.5, n).tolist()
-        measured = float(rng.choice([rng.random(), 0.0, 1.0, 0.5]))
-        got, want = _anchored_z(ratios, spreads, measured), _anchored_z_reference(ratios, spreads, measured)
-        assert got == want or (math.isnan(got) and math.isnan(want)), f"trial {trial}"
 
 
 def _current_index_reference(policy: ModelPredictivePolicy, u: _Universe, act: tuple[int, ...]) -> int | None:
@@ -810,7 +762,7 @@ CONCAVE = (51.6, 73.3, 91.0, 99.0, 102.6, 106.2, 109.8, 113.4)  # the default pa
 
 
 def test_plain_step_line_passes_through_the_measured_steps_and_continues_with_the_line() -> None:
-    from policies.mpc import plain_step_line
+    from policies.operating_model import plain_step_line
 
     rows = np.array([1.0, 2.0, 3.0, 4.0, 8.0])
     fixed, per_row = plain_step_line(CONCAVE, 50.0, 4.0, rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.mpc import plain_step_line
+from policies.operating_model import plain_step_line
 from policies.step_correction import BatchStepCorrection, StepCorrection
 
 FIXED, PER_ROW = 90.0, 9.0  # the model: 90 ms + 9 ms per row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.mpc import DEFAULT_MODEL_PATH, OperatingModel
+from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel
 from policies.slo import SLOSpec
 from sim.inputs import build_policy
 from sim.profile import SEPARATE_KV_PROFILE_PATH, Profile

@@ -19,6 +19,14 @@ writes ``--out``)::
     .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s16_t97_s20.json --plain-step-scale 1.1 \
         --schedules '{"trigger:2:10": {"policy": "trigger", "rows": 2, "hold_s": 10, "high": [4, 6]}}'
 
+With several reports each is replayed as alone, and ``pooled`` gives per configuration how far the simulator was
+from the real figures over them (simulated − real attainment and distortion, and in how many reports the
+criterion's verdict agreed). ``--step-noise`` (``benchmarks/load_sim.py``) puts the replica on the machine that
+``benchmarks/step_ratios.py --noise`` measured from live windows::
+
+    .venv/bin/python benchmarks/load_replay.py docs/img/load_economy_s*_t97_ttft4_s3?.json \
+        --step-noise docs/img/step_noise_s37.json --out results/load_replay_noise.json
+
 ``--schedules`` replays ``benchmarks/load_sim.py``'s schedules (hindsight, trigger) on the rounds of ``slo``:
 bounds beside the configurations that ran, left out of the criterion. ``--config NAME=JSON`` (repeatable)
 replays a policy spec that did not run on the same rounds, as a candidate of the criterion (a static spec is
@@ -155,26 +163,12 @@ def side(configs: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
             if not schedule_kind(c["spec"]) and (key != "real" or c["real"]["slo_attainment"] is not None)]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("report", help="a benchmarks/load.py report (JSON with per-round records)")
-    add_replica_arguments(ap)
-    ap.add_argument("--slo-policy", default=None,
-                    help="JSON policy spec to simulate for the 'slo' configuration (default: the one the report ran)")
-    ap.add_argument("--schedules", default=None,
-                    help='JSON name -> benchmarks/load_sim.py schedule spec replayed on the slo rounds, e.g. '
-                         '\'{"trigger:2:40": {"policy": "trigger", "rows": 2, "hold_s": 40, "high": [4, 6]}}\'')
-    ap.add_argument("--config", dest="configs", action="append", default=[], metavar="NAME=JSON",
-                    help="a policy spec that did not run, replayed on the same rounds as a candidate (repeatable)")
-    ap.add_argument("--ttft-ms", type=float, default=None,
-                    help="add this TTFT target to the report's tier (the simulator's attainment counts it)")
-    ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
-    ap.add_argument("--out", default="results/load_replay.json")
-    args = ap.parse_args()
+def replay_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One report replayed under ``args`` (main's options): its configurations, real beside simulated."""
     try:
-        report = json.loads(Path(args.report).read_text())
+        report = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"cannot read the report {args.report}: {exc}") from None
+        raise SystemExit(f"cannot read the report {path}: {exc}") from None
     profile, policy_profile = replica_profiles(args)
     try:
         slo_policy = json.loads(args.slo_policy) if args.slo_policy else None
@@ -200,12 +194,66 @@ def main() -> int:
     try:
         configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy, schedules, extra)
     except (KeyError, ValueError) as exc:
-        raise SystemExit(f"cannot replay {args.report}: {exc}") from None
+        raise SystemExit(f"cannot replay {path}: {exc}") from None
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()
-    out = {"benchmark": "load_replay", "report": args.report, **replica_fields(args), "tier": report["tier"],
-           "seeds": args.seeds,
-           "command": " ".join([sys.executable, *sys.argv]), "configs": configs,
-           "criterion": {"real": criterion(side(configs, "real"), tier), "sim": criterion(side(configs, "sim"), tier)}}
+    return {"benchmark": "load_replay", "report": path, **replica_fields(args), "tier": report["tier"],
+            "seeds": args.seeds, "command": " ".join([sys.executable, *sys.argv]), "configs": configs,
+            "criterion": {"real": criterion(side(configs, "real"), tier), "sim": criterion(side(configs, "sim"), tier)}}
+
+
+def pooled_errors(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration name over the replayed reports: simulated − real attainment and distortion (mean, mean
+    absolute, each report's), and in how many reports the criterion's verdict was the same on both sides (a
+    policy: held or not; a static point: meets the SLO or not)."""
+    pooled: dict[str, Any] = {}
+    names = sorted({c["name"] for out in outs for c in out["configs"] if c["real"]["slo_attainment"] is not None})
+    for name in names:
+        att, dist, same, verdicts = [], [], 0, 0
+        for out in outs:
+            config = next((c for c in out["configs"] if c["name"] == name), None)
+            if config is None or config["real"]["slo_attainment"] is None:
+                continue
+            att.append(config["sim"]["slo_attainment"] - config["real"]["slo_attainment"])
+            dist.append(config["sim"]["mean_distortion_per_token"] - config["real"]["mean_distortion_per_token"])
+            judged = {key: out["criterion"][key] for key in ("real", "sim")}
+            if judged["real"] and judged["sim"]:  # None: no policy ran, nothing judged
+                verdict = {key: (c.get("held") or {}).get(name, name in (c.get("static_points_meeting") or []))
+                           for key, c in judged.items()}
+                verdicts += 1
+                same += verdict["real"] == verdict["sim"]
+        pooled[name] = {
+            "reports": len(att),
+            "attainment_error": {"mean": round(float(np.mean(att)), 4), "mean_abs": round(float(np.mean(np.abs(att))), 4),
+                                 "each": [round(e, 4) for e in att]},
+            "distortion_error": {"mean": round(float(np.mean(dist)), 4),
+                                 "mean_abs": round(float(np.mean(np.abs(dist))), 4), "each": [round(e, 4) for e in dist]},
+            "verdict_agrees": f"{same} of {verdicts}",
+        }
+    return pooled
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("reports", nargs="+", metavar="report",
+                    help="benchmarks/load.py reports (JSON with per-round records); with several, each is replayed and "
+                         "the report adds how far the simulator was from each configuration's real figures, pooled")
+    add_replica_arguments(ap)
+    ap.add_argument("--slo-policy", default=None,
+                    help="JSON policy spec to simulate for the 'slo' configuration (default: the one the report ran)")
+    ap.add_argument("--schedules", default=None,
+                    help='JSON name -> benchmarks/load_sim.py schedule spec replayed on the slo rounds, e.g. '
+                         '\'{"trigger:2:40": {"policy": "trigger", "rows": 2, "hold_s": 40, "high": [4, 6]}}\'')
+    ap.add_argument("--config", dest="configs", action="append", default=[], metavar="NAME=JSON",
+                    help="a policy spec that did not run, replayed on the same rounds as a candidate (repeatable)")
+    ap.add_argument("--ttft-ms", type=float, default=None,
+                    help="add this TTFT target to the report's tier (the simulator's attainment counts it)")
+    ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
+    ap.add_argument("--out", default="results/load_replay.json")
+    args = ap.parse_args()
+    outs = [replay_one(path, args) for path in args.reports]
+    out = outs[0] if len(outs) == 1 else {
+        "benchmark": "load_replay", "reports": outs, "command": " ".join([sys.executable, *sys.argv]),
+        "pooled": pooled_errors(outs)}
     emit(out, args.out)
     return 0
 

@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,38 @@ def tpot_distribution(samples_ms: np.ndarray, target_ms: float) -> dict[str, flo
             "within_target": round(float((samples_ms <= target_ms).mean()), 3)}
 
 
+def _scales(entry: Mapping[str, Any]) -> list[float] | None:
+    """A ``--noise`` entry's shape by batch as a list at 1, 2, … rows (a batch it did not see takes the nearest
+    one's); None without one."""
+    by_batch = {int(b): float(v["scale"]) for b, v in (entry.get("scale_by_batch") or {}).items()}
+    if not by_batch:
+        return None
+    return [by_batch[min(by_batch, key=lambda b: (abs(b - rows), b))] for rows in range(1, max(by_batch) + 1)]
+
+
+def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
+    """``profile`` with a serving machine's departure from it as ``benchmarks/step_ratios.py --noise`` measured it
+    from live windows (its ``noise`` object): the plain and the speculative steps' shapes by batch, the runs'
+    spread of speed as each replica's own speed, and the plain steps' drift and per-step jitter on every step
+    (``LatencyModel.step_*``; the plain steps measure them on the most windows)."""
+    try:
+        plain = noise["plain"]
+        speculative = noise.get("speculative") or {}
+        offset_sd = (plain.get("run_offset") or {}).get("sd")
+        fields: dict[str, Any] = {
+            "plain_step_scale_by_batch": _scales(plain), "speculative_step_scale_by_batch": _scales(speculative),
+            "step_offset_sigma": float(offset_sd or 0.0), "step_drift_sigma": float(plain["drift_sigma"]),
+            "step_jitter_sigma": float(plain["jitter_sigma"]),
+        }
+        if plain.get("drift_tau_s") is not None and math.isfinite(float(plain["drift_tau_s"])):
+            fields["step_drift_tau_s"] = float(plain["drift_tau_s"])
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a step_ratios.py --noise object ({exc!r})") from None
+    lat = profile.latency.model_dump()
+    lat.update(fields)
+    return Profile.model_validate({**profile.model_dump(), "latency": lat})
+
+
 def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
     """The replica's profile (the simulated truth), the policies' profile, and the knobs that move the host."""
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
@@ -286,13 +319,17 @@ def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speculative-step-scale", type=float, default=1.0,
                     help="speculative decode steps (draft steps and verify) of the replica's profile this many times "
                          "as long (not the policies'): see with_speculative_step_scale")
+    ap.add_argument("--step-noise", default=None,
+                    help="a benchmarks/step_ratios.py --noise report: the replica's steps depart from its profile as "
+                         "the live windows measured there (shape by batch, drift, jitter; see with_step_noise)")
 
 
 def replica_fields(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`add_replica_arguments`' options as a report records them (profile names and the host knobs)."""
     return {"profile": Path(args.profile).name, "policy_profile": Path(args.policy_profile or args.profile).name,
             "step_overhead_ms": args.step_overhead_ms, "forward_overhead_ms": args.forward_overhead_ms,
-            "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale}
+            "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale,
+            "step_noise": args.step_noise}
 
 
 def replica_profiles(args: argparse.Namespace) -> tuple[Profile, Profile]:
@@ -314,6 +351,12 @@ def replica_profiles(args: argparse.Namespace) -> tuple[Profile, Profile]:
         profile = with_step_overhead(profile, args.step_overhead_ms)
     if args.forward_overhead_ms:
         profile = with_forward_overhead(profile, args.forward_overhead_ms)
+    if args.step_noise:
+        try:
+            report = json.loads(Path(args.step_noise).read_text())
+            profile = with_step_noise(profile, report["noise"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"--step-noise {args.step_noise}: {exc}") from None
     return profile, policy_profile
 
 

@@ -128,6 +128,91 @@ def first_speculative_errors(runs: list[list[Mapping[str, Any]]], model_of: list
     return errors
 
 
+def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str = "plain",
+               passes: int = 5, max_lag: int = 5, min_steps: int = 4) -> dict[str, Any]:
+    """How a live machine's steps depart from the model, in the simulator's terms (``LatencyModel``'s step drift):
+    each window's log(measured / modelled) mean step of ``kind`` as a run's offset + a shape by batch + a slow drift
+    + per-step jitter averaged over the window's steps,
+
+        log r_w = o_run + g(round(B_w)) + d(t_w) + e_w,   Var e_w = σ_jitter² / steps_w,  d an Ornstein-Uhlenbeck
+        process (stationary σ_drift, correlation time τ).
+
+    o and g by alternating means (``passes``); σ_drift² and σ_jitter² from the regression of the squared residuals
+    on 1 / steps; τ from the decay of the residuals' covariance over lags of 1..``max_lag`` windows within a run
+    (the jitter is independent between windows, so that covariance is the drift's alone: σ_drift² · exp(−lag / τ)).
+    A run's offset is its own mean: drift slower than a run reads as offset (``run_offset.sd`` between runs).
+    Windows of fewer than ``min_steps`` steps are left out: live, such a window's time and step count are cut at
+    its edges apart (one-step windows read 0.02-1.5x the model), which is the recording, not the machine."""
+    rows: list[tuple[int, float, int, float, float]] = []  # (run, time_s, batch, log ratio, steps)
+    windows: list[float] = []
+    for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
+        for telemetry in telemetry_seq:
+            steps_of = {"plain": (telemetry.get("plain_steps") or {}).get("steps"),
+                        "speculative": (telemetry.get("speculative_steps") or {}).get("steps")}
+            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
+                part = "plain" if k == "plain" else "speculative"
+                if part != kind or not steps_of[part] or steps_of[part] < min_steps:
+                    continue
+                windows.append(float(telemetry.get("window_s", math.nan)))
+                rows.append((run, float(telemetry.get("time_s", math.nan)), max(1, round(batch)),
+                             math.log(ms / (fixed + per_row * batch)), float(steps_of[part])))
+    if len(rows) < 10:
+        return {"windows": len(rows)}
+    run_idx = np.array([r[0] for r in rows])
+    t = np.array([r[1] for r in rows])
+    b = np.array([r[2] for r in rows])
+    y = np.array([r[3] for r in rows])
+    steps = np.array([r[4] for r in rows])
+    runs_present = np.unique(run_idx)
+    batches = np.unique(b)
+    offset = np.zeros(run_idx.max() + 1)
+    shape = dict.fromkeys(batches.tolist(), 0.0)
+    for _ in range(passes):
+        g = np.array([shape[v] for v in b.tolist()])
+        for r in runs_present:
+            offset[r] = float((y - g)[run_idx == r].mean())
+        o = offset[run_idx]
+        for v in batches.tolist():
+            shape[v] = float((y - o)[b == v].mean())
+    mean_offset = float(offset[runs_present].mean())
+    residual = y - offset[run_idx] - np.array([shape[v] for v in b.tolist()])
+    # E[res²] = σ_drift² + σ_jitter² / steps: least squares in (1, 1 / steps).
+    design = np.stack([np.ones_like(steps), 1.0 / steps], axis=1)
+    (drift_var, jitter_var), *_ = np.linalg.lstsq(design, residual**2, rcond=None)
+    drift_var, jitter_var = max(float(drift_var), 0.0), max(float(jitter_var), 0.0)
+    # The drift's correlation time from how the residuals' covariance decays over lags of 1..max_lag windows (the
+    # jitter and whatever else is independent between windows add to the variance, lag 0, not to these).
+    covariance: dict[int, list[float]] = defaultdict(list)
+    window = float(np.median(windows))
+    for r in runs_present:
+        sel = np.flatnonzero(run_idx == r)
+        slot = {int(round(tw / window)): i for tw, i in zip(t[sel].tolist(), sel.tolist(), strict=True)}
+        for at, i in slot.items():
+            for lag in range(1, max_lag + 1):
+                j = slot.get(at + lag)
+                if j is not None:
+                    covariance[lag].append(float(residual[i] * residual[j]))
+    lags = [lag for lag in range(1, max_lag + 1) if len(covariance[lag]) >= 10 and np.mean(covariance[lag]) > 0]
+    tau = math.nan
+    if len(lags) >= 2:
+        slope = float(np.polyfit(lags, [math.log(float(np.mean(covariance[lag]))) for lag in lags], 1)[0])
+        tau = -window / slope if slope < 0 else math.inf
+    lag1 = float(np.mean(covariance[1])) / drift_var if covariance[1] and drift_var > 0 else math.nan
+    return {
+        "kind": kind, "windows": len(rows), "runs": int(runs_present.size),
+        "run_offset": {"mean": round(mean_offset, 4),
+                       "sd": round(float(offset[runs_present].std(ddof=1)), 4) if runs_present.size > 1 else None},
+        # The shape by batch as multipliers of the model's step (the runs' mean offset folded in), windows per batch.
+        "scale_by_batch": {str(v): {"scale": round(math.exp(mean_offset + shape[v]), 4),
+                                    "windows": int((b == v).sum())} for v in batches.tolist()},
+        "residual_sd": round(float(residual.std()), 4),
+        "drift_sigma": round(math.sqrt(drift_var), 4), "jitter_sigma": round(math.sqrt(jitter_var), 4),
+        "window_s": round(window, 3), "lag_pairs": {str(lag): len(covariance[lag]) for lag in range(1, max_lag + 1)},
+        "lag1_correlation": round(lag1, 3) if math.isfinite(lag1) else None,
+        "drift_tau_s": round(tau, 2) if math.isfinite(tau) else None,
+    }
+
+
 def _error_summary(errors: list[float]) -> dict[str, float]:
     e = np.asarray(errors)
     return {"windows": int(e.size), "bias": round(float(e.mean()), 3), "mean_abs": round(float(np.abs(e).mean()), 3),
@@ -141,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                     "over every file's runs")
     ap.add_argument("--first-speculative", action="store_true", help="also each run's first speculative window "
                     "predicted under the model's step and under the plain steps' fit (draft_prior)")
+    ap.add_argument("--noise", action="store_true", help="also the steps' departure from the model as the simulator's "
+                    "step drift models it: run offset, shape by batch, drift and jitter (plain and speculative steps)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     default_model = OperatingModel.load(DEFAULT_MODEL_PATH)
@@ -174,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_speculative:
         out["first_speculative"] = {prior: _error_summary(e) for prior, e in
                                     first_speculative_errors(runs, models).items() if e}
+    if args.noise:
+        out["noise"] = {kind: step_noise(runs, models, kind) for kind in ("plain", "speculative")}
     emit(out, args.out)
     return 0
 

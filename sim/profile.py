@@ -158,6 +158,29 @@ class LatencyModel(BaseModel):
         description="'fixed': every iteration takes the model's time; 'exponential': the model's time is "
         "the mean of an exponential draw (queueing-theory checks)",
     )
+    # A serving machine's departure from its calibration (benchmarks/step_ratios.py --noise measures it from live
+    # windows): a decode iteration's time is the model's × the shape of its kind at its rows × the replica's own
+    # speed × a slow drift × jitter.
+    plain_step_scale_by_batch: list[float] | None = Field(
+        None, description="multiplier of a plain (k = 0) decode step's modelled time at 1, 2, … rows (beyond the "
+        "last, the last): the shape a serving machine's plain steps take against the calibration's; None: 1"
+    )
+    speculative_step_scale_by_batch: list[float] | None = Field(
+        None, description="the same for speculative steps (some row drafts); None: 1"
+    )
+    step_offset_sigma: float = Field(
+        0.0, ge=0, le=2, description="spread of each replica's own speed factor on every iteration (prefills too), "
+        "drawn once when it starts: log-normal with mean 1 (live: runs of one machine differ); 0: none"
+    )
+    step_drift_sigma: float = Field(
+        0.0, ge=0, le=2, description="stationary spread of a slow per-replica speed factor on every iteration "
+        "(prefills too): log-normal with mean 1, an Ornstein-Uhlenbeck process in its log; 0: none"
+    )
+    step_drift_tau_s: float = Field(30.0, gt=0, description="that drift's correlation time (s)")
+    step_jitter_sigma: float = Field(
+        0.0, ge=0, le=2, description="each iteration's own log-normal factor (mean 1), independent between "
+        "iterations; 0: none"
+    )
 
     def plain_coeffs(self) -> tuple[float, float]:
         """``(fixed, per_seq)`` of a k = 0 step: measured, else the verify model at k = 0."""
@@ -171,6 +194,29 @@ class LatencyModel(BaseModel):
         if v is not None and (not v or not all(math.isfinite(x) and x > 0 for x in v)):
             raise ValueError(f"plain_step_ms_by_batch must be a non-empty list of finite steps > 0, got {v}")
         return v
+
+    @field_validator("plain_step_scale_by_batch", "speculative_step_scale_by_batch")
+    @classmethod
+    def _positive_scales(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or not all(math.isfinite(x) and x > 0 for x in v)):
+            raise ValueError(f"a step scale by batch must be a non-empty list of finite multipliers > 0, got {v}")
+        return v
+
+    @property
+    def varies_steps(self) -> bool:
+        """Whether iterations depart from the model's time (a shape by batch, offset, drift or jitter)."""
+        return (self.plain_step_scale_by_batch is not None or self.speculative_step_scale_by_batch is not None
+                or self.step_offset_sigma > 0 or self.step_drift_sigma > 0 or self.step_jitter_sigma > 0)
+
+    def step_scale_table(self, max_batch: int) -> np.ndarray:
+        """[2, max_batch + 1] the shapes' multipliers (row 0 plain steps, row 1 speculative) at 0 .. max_batch rows
+        (1 where a shape is not given; column 0 unused)."""
+        table = np.ones((2, max_batch + 1))
+        for kind, given in enumerate((self.plain_step_scale_by_batch, self.speculative_step_scale_by_batch)):
+            if given:
+                for rows in range(1, max_batch + 1):
+                    table[kind, rows] = given[min(rows, len(given)) - 1]
+        return table
 
     @field_validator("prefill_ms_by_tokens")
     @classmethod

@@ -34,11 +34,18 @@ Iteration model (per replica, batch of B sequences, draft length k):
   the backlog while no row drafts (or its backlog is already more than the engine feeds in passing), and
   the first decode iteration in which a row with a backlog drafts also runs the draft over every fed
   row's backlog, padded to the longest (:meth:`~sim.profile.LatencyModel.draft_catch_up_ms`).
+- A serving machine's departure from the model, when the profile states one
+  (:attr:`~sim.profile.LatencyModel.varies_steps`): each decode iteration's time × the shape of its kind (plain
+  or speculative) at its rows, every iteration's (prefills too) × the replica's own speed (drawn once) × its slow
+  drift (an Ornstein-Uhlenbeck process in the log, advanced at each segment's start and held through the
+  segment) × its own jitter; each factor log-normal with mean 1. The window sums carry the times as drawn: a
+  policy measures the machine, not the model.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
@@ -323,6 +330,16 @@ class Replica:
         # The latency model is frozen: read its switches once, not per segment.
         self._draft_prefill = latency.models_draft_prefill
         self._exponential_times = latency.iteration_time_dist == "exponential"
+        # The machine's departure from the model (LatencyModel.varies_steps): the shape by rows, the drift's state.
+        self._varies = latency.varies_steps
+        shaped = latency.plain_step_scale_by_batch or latency.speculative_step_scale_by_batch
+        self._row_scale = latency.step_scale_table(max_batch) if shaped else _NO_ROWS  # [plain, speculative] by rows
+        self._drift_sigma, self._drift_tau_s = latency.step_drift_sigma, latency.step_drift_tau_s
+        self._jitter_sigma = latency.step_jitter_sigma
+        offset = latency.step_offset_sigma
+        self._speed = math.exp(float(rng.normal(0.0, offset)) - 0.5 * offset * offset) if offset > 0 else 1.0
+        self._drift_log = float(rng.normal(0.0, self._drift_sigma)) if self._drift_sigma > 0 else 0.0  # stationary
+        self._drift_at = started_s
         plain_fixed, plain_per_row = latency.plain_coeffs()
         self._mixed_coeffs = np.array([  # in segment_kernel's order
             latency.verify_a_ms, latency.draft_a_ms, latency.verify_b_ms, latency.verify_c_ms, latency.draft_b_ms,
@@ -391,6 +408,7 @@ class Replica:
         u = self.rng.random((h, b))
         k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
+        speed = self._speeds(now, h + off) if self._varies else _EMPTY
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
         tier_set = frozenset(tier_list)
@@ -403,12 +421,13 @@ class Replica:
             step = settings.step_table(t0, one_tier, self.max_batch) if uniform else _NO_STEP_TABLE
             plain_ms = settings.plain_ms_by_rows
             events = rows.event_p is not None
+            prefill_ms = self.latency.prefill_ms(prefill_tokens) if n_new else 0.0
             emitted, finish_iter, active_after, features, end_s, length, bins = draw_segment(
                 u, off, remaining, one_tier, odds is not None, survival_rows, rows.survival_asc0, k_plus_1, rows.grid,
                 rows.grid_tokens, rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
                 _EMPTY if plain_ms is None else plain_ms, rows.onehot, _B + 2 * self.bins.n_tiers,
-                self.latency.prefill_ms(prefill_tokens) if n_new else 0.0, self.batch_limit if queue else 1, now,
-                self.bins.tick_s, self.bins.sums, not events)
+                prefill_ms * float(speed[0]) if n_new and speed.size else prefill_ms, self.batch_limit if queue else 1,
+                now, self.bins.tick_s, self.bins.sums, not events, speed, self._row_scale)
             distortion_rows: np.ndarray | None = None
             if events:
                 tokens = np.diff(emitted, axis=0, prepend=np.zeros((1, b), dtype=np.int64))
@@ -418,7 +437,7 @@ class Replica:
         else:
             emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows = (
                 self._draw_general(now, settings, u, off, ids, remaining, rows, t0, one_tier, n_new,
-                                   prefill_tokens, bool(queue)))
+                                   prefill_tokens, bool(queue), speed))
             bins = self.bins.bin_of(end_s)
             self.bins.add(bins[:length], features[:length])
 
@@ -463,7 +482,7 @@ class Replica:
     def _draw_general(
         self, now: float, settings: DecodeSettings, u: np.ndarray, off: int, ids: np.ndarray | None,
         remaining: np.ndarray, rows: _BatchTables, t0: int, one_tier: bool, n_new: int, prefill_tokens: int,
-        queued: bool,
+        queued: bool, speed: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None,
                np.ndarray | None]:
         """A segment's draw with numpy, every case (sim.segment_kernel compiles the common one):
@@ -544,7 +563,20 @@ class Replica:
             draws = self.rng.exponential(1.0, size=n_iter)
             dt_ms *= draws
             catch_up_ms *= float(draws[off])
-        if not uniform or catch_up_ms or self._exponential_times:
+        if self._varies:
+            if self._row_scale.size:  # decode iterations only (a prefill's time does not grow with the batch)
+                if uniform:
+                    kind = self._row_scale[1 if int(rows.row_k[0]) > 0 else 0]
+                    scale = kind.take(active_before[off:])
+                else:
+                    assert k_max is not None
+                    scale = np.where(k_max[off:] > 0, self._row_scale[1].take(active_before[off:]),
+                                     self._row_scale[0].take(active_before[off:]))
+                dt_ms[off:] *= scale
+                catch_up_ms *= float(scale[0])
+            dt_ms *= speed
+            catch_up_ms *= float(speed[off])
+        if not uniform or catch_up_ms or self._exponential_times or self._varies:
             # The steps' times as drawn (the table holds the model's); as the engine reports it, the
             # catch-up is not a decode step's time.
             features[:, WindowBins.ITER_MS] = dt_ms
@@ -584,6 +616,21 @@ class Replica:
             features[0] = 0.0  # the prefill iteration: no tokens, no sequences decoded
             features[0, WindowBins.PREFILL_MS] = dt_ms[0]
         return emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows
+
+    def _speeds(self, now: float, n_iter: int) -> np.ndarray:
+        """[n_iter] each iteration's factor on its modelled time: the replica's speed × the drift, advanced to ``now``
+        (an exact Ornstein-Uhlenbeck step over the time since the last segment began) × each iteration's jitter."""
+        factor = self._speed
+        sigma = self._drift_sigma
+        if sigma > 0:
+            rho = math.exp(-max(now - self._drift_at, 0.0) / self._drift_tau_s)
+            self._drift_log = rho * self._drift_log + sigma * math.sqrt(1.0 - rho * rho) * float(self.rng.normal())
+            self._drift_at = now
+            factor *= math.exp(self._drift_log - 0.5 * sigma * sigma)  # mean 1
+        jitter = self._jitter_sigma
+        if jitter > 0:
+            return np.asarray(factor * np.exp(jitter * self.rng.normal(size=n_iter) - 0.5 * jitter * jitter))
+        return np.full(n_iter, factor)
 
     @staticmethod
     def _request_survival(odds: np.ndarray, ids: np.ndarray | None, rows: _BatchTables) -> np.ndarray:

@@ -58,6 +58,8 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
     tick_s: np.ndarray,  # the control ticks' times (WindowBins.bin_of's)
     sums: np.ndarray,  # WindowBins.sums: the drawn iterations are added here when add_to_sums
     add_to_sums: bool,  # False where the caller still changes features (distortion events) and adds them itself
+    speed: np.ndarray,  # [h + off] each iteration's factor on its time (drift × jitter; empty: none); prefill_ms has it
+    row_scale: np.ndarray,  # [2, max_batch + 1] a decode iteration's factor by its kind (plain, speculative) and rows
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
     """``(emitted [L, b] cumulative and clipped, finish_iter [b], active_after [L], features [L, F],
     end_s [L], length, bins [L])`` with L = h + off, as the numpy path computes them; with ``add_to_sums`` the
@@ -79,6 +81,8 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
     elapsed_ms = 0.0
     length = n_iter
     stopped = False
+    shaped = row_scale.shape[0] > 0
+    scaled = speed.shape[0] > 0 or shaped
     for j in range(n_iter):
         decode = j >= off
         active = 0
@@ -112,6 +116,15 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
             features[j, f] = acc + step_features[active_before, f] if uniform else acc
         if uniform:
             ms = float(step_ms[active_before])
+            if scaled:  # the table's time, as the machine runs it
+                speculative = features[j, _SPEC_ITERS] > 0
+                if shaped:
+                    ms *= row_scale[1 if speculative else 0, active_before]
+                if speed.shape[0]:
+                    ms *= speed[j]
+                features[j, _ITER_MS] = ms
+                if speculative:
+                    features[j, _SPEC_MS] = ms
         else:
             # The mixed model over the rows this iteration holds (k_max: the running rows' largest k).
             k_max, drafting, drafted = 0.0, 0.0, 0.0
@@ -128,6 +141,10 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
                 ms = float(plain_ms[active_before])
             else:
                 ms = mixed[PLAIN_FIXED] + mixed[PLAIN_PER_ROW] * active_before
+            if shaped:
+                ms *= row_scale[1 if k_max > 0 else 0, active_before]
+            if speed.shape[0]:
+                ms *= speed[j]
             spec = 1.0 if k_max > 0 else 0.0
             features[j, _SEQ_ITERS] = active_before
             features[j, _DRAFTED] = drafted

@@ -171,3 +171,28 @@ def test_extra_configs_replay_as_candidates_and_ttft_counts(tmp_path: Path) -> N
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(src), "--config",
                           "cap1={", "--out", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode != 0 and "--config 'cap1={': not JSON" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_several_reports_are_replayed_each_and_pooled(tmp_path: Path) -> None:
+    """With several reports: each replayed as alone, and per configuration the simulated − real attainment and
+    distortion over them (a report whose real side is slower than the simulator reads a positive error)."""
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    fast.write_text(json.dumps(light_report()))
+    report = light_report()
+    report["configs"][0]["slo_attainment"] = 0.75  # plain decoding missed a quarter live
+    slow.write_text(json.dumps(report))
+    out = tmp_path / "pooled.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_replay.py"), str(fast), str(slow), "--seeds", "0",
+                    "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    pooled = json.loads(out.read_text())
+    assert [r["report"] for r in pooled["reports"]] == [str(fast), str(slow)]
+    plain = pooled["pooled"]["plain"]
+    sim_plain = [next(c for c in r["configs"] if c["name"] == "plain")["sim"]["slo_attainment"] for r in pooled["reports"]]
+    assert plain["reports"] == 2
+    assert plain["attainment_error"]["each"] == pytest.approx([sim_plain[0] - 1.0, sim_plain[1] - 0.75], abs=1e-4)
+    assert plain["attainment_error"]["each"][1] > plain["attainment_error"]["each"][0]
+    assert plain["verdict_agrees"] == "0 of 0"  # no policy ran: nothing judged
+    static = pooled["pooled"]["static:4:6"]
+    assert static["distortion_error"]["each"] == pytest.approx(
+        [next(c for c in r["configs"] if c["name"] == "static:4:6")["sim"]["mean_distortion_per_token"] - 0.2
+         for r in pooled["reports"]], abs=1e-4)

@@ -97,3 +97,20 @@ def test_row_trigger_drafts_from_the_row_count_and_holds_after_the_last_window_t
         RowTrigger(slo, "economy", rows=0, hold_s=3.0, threshold=4.0, k=6)
     with pytest.raises(ValueError, match="'rows'"):
         schedule_policy({"policy": "trigger", "hold_s": 40, "high": [4, 6]}, slo, "economy", 40.0)
+
+
+def test_step_noise_moves_the_replica_as_a_noise_report_says() -> None:
+    """--step-noise: the report's shapes per kind (a batch it did not see takes the nearest one's), the runs'
+    spread as each replica's speed, drift and jitter; a malformed report is refused with what is wrong."""
+    from benchmarks.load_sim import with_step_noise
+    from sim.profile import Profile
+
+    noise = {"plain": {"scale_by_batch": {"1": {"scale": 1.1}, "3": {"scale": 1.3}}, "run_offset": {"sd": 0.08},
+                       "drift_sigma": 0.05, "jitter_sigma": 0.3, "drift_tau_s": 4.0},
+             "speculative": {"scale_by_batch": {"2": {"scale": 0.95}}}}
+    lat = with_step_noise(Profile.default(), noise).latency
+    assert lat.plain_step_scale_by_batch == [1.1, 1.1, 1.3] and lat.speculative_step_scale_by_batch == [0.95, 0.95]
+    assert (lat.step_offset_sigma, lat.step_drift_sigma, lat.step_jitter_sigma, lat.step_drift_tau_s) == (
+        0.08, 0.05, 0.3, 4.0)
+    with pytest.raises(ValueError, match="drift_sigma"):
+        with_step_noise(Profile.default(), {"plain": {"scale_by_batch": {}}})

@@ -93,3 +93,47 @@ def test_first_speculative_scores_each_prior_on_a_run_s_first_speculative_window
     errors = first_speculative_errors([[plain] * 4 + [spec, spec], [plain, spec]], [model, model])
     assert errors["model"] == [pytest.approx(math.log(1 / 1.2))]
     assert errors["plain"] == [pytest.approx(0.0, abs=1e-9)]
+
+
+def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 3600.0) -> tuple[list[dict], object]:
+    """An hour of plain decoding on one replica of the calibrated profile whose steps depart from it as
+    ``latency`` says: each window's telemetry as a controller records it, and the model it is measured against."""
+    from policies.static import StaticPolicy
+    from sim.decision_replay import profile_model
+    from sim.profile import Profile
+    from tests.sim.conftest import Recorder, make_workload, run_sim, single_tier_slo
+
+    base = Profile.default()
+    data = base.model_dump()
+    data["latency"].update(latency)
+    slo = single_tier_slo(tpot_ms=200.0)
+    recorder = Recorder(StaticPolicy(slo, 0.0, 0))
+    workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": 0.5},
+                             prompt_tokens={"kind": "fixed", "value": 40}, output_tokens={"kind": "fixed", "value": 48})
+    run_sim(workload, recorder, slo=slo, profile=Profile.model_validate(data), replicas=1, seed=seed)
+    return [entry["telemetry"] for entry in recorder.entries], profile_model(base)
+
+
+def test_noise_recovers_the_simulated_machine() -> None:
+    """--noise measures what the simulator's step drift draws (a statistical check, fixed seeds): the shape by
+    batch within 5 %, the drift's and the jitter's spreads within 30 %, the drift's correlation time within 2x;
+    and on steps exactly as modelled it finds no shape, no drift and no jitter."""
+    from benchmarks.step_ratios import step_noise
+
+    truth = {"plain_step_scale_by_batch": [1.1, 1.3, 1.25, 1.15], "step_drift_sigma": 0.12, "step_drift_tau_s": 15.0,
+             "step_jitter_sigma": 0.25}
+    for seed in (1, 2):
+        windows, model = _noisy_windows(truth, seed)
+        noise = step_noise([windows], [model], "plain")
+        assert noise["windows"] > 2000, noise
+        for batch, cell in noise["scale_by_batch"].items():
+            if cell["windows"] >= 100:
+                want = truth["plain_step_scale_by_batch"][min(int(batch), 4) - 1]
+                assert cell["scale"] == pytest.approx(want, rel=0.05), (seed, batch, noise)
+        assert noise["drift_sigma"] == pytest.approx(0.12, rel=0.3), noise
+        assert noise["jitter_sigma"] == pytest.approx(0.25, rel=0.3), noise
+        assert 7.5 <= noise["drift_tau_s"] <= 30.0, noise
+    exact, model = _noisy_windows({}, 1, duration_s=900.0)
+    quiet = step_noise([exact], [model], "plain")
+    assert quiet["drift_sigma"] < 0.03 and quiet["jitter_sigma"] < 0.05, quiet
+    assert all(cell["scale"] == pytest.approx(1.0, abs=0.03) for cell in quiet["scale_by_batch"].values()), quiet

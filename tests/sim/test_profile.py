@@ -115,3 +115,23 @@ def test_measured_prefills_are_checked_and_read_piecewise() -> None:
     for bad in ([], [[16, 120.0], [16, 130.0]], [[64, 160.0], [16, 120.0]], [[16, 0.0]], [[16, float("nan")]]):
         with pytest.raises(ValueError, match="prefill_ms_by_tokens"):
             Profile.model_validate({**base, "latency": {**lat, "prefill_ms_by_tokens": bad}})
+
+
+def test_machine_variation_is_checked_and_read_by_kind_and_rows() -> None:
+    """The step shapes are read per kind of step at 1..max_batch rows (the last beyond the list); bad values are
+    refused naming the field; a profile without any variation is the model's own time."""
+    base = _default_dict()
+    assert not Profile.model_validate(base).latency.varies_steps
+    lat = {**base["latency"], "plain_step_scale_by_batch": [1.1, 1.3], "speculative_step_scale_by_batch": [0.9]}
+    m = Profile.model_validate({**base, "latency": lat}).latency
+    assert m.varies_steps
+    table = m.step_scale_table(4)
+    assert table.tolist() == [[1.0, 1.1, 1.3, 1.3, 1.3], [1.0, 0.9, 0.9, 0.9, 0.9]]
+    assert Profile.model_validate({**base, "latency": {**base["latency"], "step_jitter_sigma": 0.2}}).latency.varies_steps
+    for field, bad in (("plain_step_scale_by_batch", []), ("speculative_step_scale_by_batch", [1.0, 0.0]),
+                       ("plain_step_scale_by_batch", [float("inf")])):
+        with pytest.raises(ValueError, match="step scale by batch"):
+            Profile.model_validate({**base, "latency": {**base["latency"], field: bad}})
+    for field, bad in (("step_drift_sigma", -0.1), ("step_drift_tau_s", 0.0), ("step_offset_sigma", 3.0)):
+        with pytest.raises(ValueError, match=field):
+            Profile.model_validate({**base, "latency": {**base["latency"], field: bad}})

@@ -34,13 +34,21 @@ def _run(profile: Profile, seed: int, kernel: bool,
     return sim, sim.run(), calls[0]
 
 
+def _varying_profile() -> Profile:
+    """The plain-table profile on a machine that departs from it: a shape by batch, drift and jitter."""
+    data = _plain_table_profile().model_dump()
+    data["latency"].update(plain_step_scale_by_batch=[1.1, 1.3, 1.2], speculative_step_scale_by_batch=[0.9, 1.05],
+                           step_offset_sigma=0.1, step_drift_sigma=0.15, step_drift_tau_s=5.0, step_jitter_sigma=0.2)
+    return Profile.model_validate(data)
+
+
 @pytest.mark.parametrize(("profile_name", "seed"),
-                         [("handmade", 1), ("handmade", 2), ("plain_table", 3), ("calibrated", 4)])
+                         [("handmade", 1), ("handmade", 2), ("plain_table", 3), ("calibrated", 4), ("varying", 5)])
 def test_kernel_draws_what_the_numpy_path_draws(profile_name: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The calibrated profile draws each request's acceptance odds (per-row survival); the hand-made ones
     have distortion events."""
     profile = {"handmade": handmade_profile, "plain_table": _plain_table_profile,
-               "calibrated": Profile.default}[profile_name]()
+               "calibrated": Profile.default, "varying": _varying_profile}[profile_name]()
     reference, ref_result, none = _run(profile, seed, False, monkeypatch)
     compiled, result, calls = _run(profile, seed, True, monkeypatch)
     segments = sum(r.segments_drawn for r in compiled.replicas)

@@ -93,7 +93,7 @@ from policies.decision import Decision
 from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel, speculative_step_line
 from policies.ranking import anchored_z, lexmin, normal_cdf, row_sums, weighted_column_sums
 from policies.slo import SLOSpec, TierSLO, tiers_by_budget
-from policies.step_correction import BatchStepCorrection, StepCorrection
+from policies.step_correction import BatchStepCorrection, StepCorrection, corrected_step_line
 from policies.telemetry import StepTotals, Telemetry
 
 
@@ -1043,7 +1043,7 @@ class ModelPredictivePolicy:
                 fixed, per_row = np.where(u.plain, plain_fixed, fixed), np.where(u.plain, plain_per_row, per_row)
             fixed_correction, per_row_correction = line_corrections or self._step_correction(
                 u.k_max, probe=probe, k_now=k_now, unique=unique, batch=near)
-            return fixed * fixed_correction, per_row * per_row_correction
+            return corrected_step_line(fixed, per_row, fixed_correction, per_row_correction)
 
         # What does not depend on the planned batch, once for both of predict's loads:
         # joiners' prefills stall the running batch (admit, then step): a replica spends a share λ·prefill of its
@@ -1380,8 +1380,8 @@ class ModelPredictivePolicy:
         for _ in range(2 if self.model.cost.plain_ms_by_batch or self.step_fit == "batch" else 1):
             fixed_correction, per_row_correction = self._step_correction(k_max, batch=near)
             fixed = self._step_ms(ks, shares, 0.0, near)
-            f = fixed * fixed_correction
-            p = (self._step_ms(ks, shares, 1.0, near) - fixed) * per_row_correction
+            f, p = corrected_step_line(fixed, self._step_ms(ks, shares, 1.0, near) - fixed, fixed_correction,
+                                       per_row_correction)
             denom = 1.0 - x * p
             with np.errstate(divide="ignore", invalid="ignore"):
                 little = np.where(denom > 0, np.maximum(x * f / denom, 0.0), np.inf)  # >= 0: see decide

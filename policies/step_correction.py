@@ -25,6 +25,21 @@ import math
 import numpy as np
 
 
+def corrected_step_line(fixed_ms: np.ndarray | float, per_row_ms: np.ndarray | float, fixed_factor: np.ndarray | float,
+                        per_row_factor: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    """The modelled step's line ``fixed_ms + per_row_ms · B`` corrected by a fit's two factors: ``(fixed_ms ·
+    fixed_factor, per_row_ms · per_row_factor)``, except where ``fixed_ms`` < 0, which takes the per-row factor for
+    both parts. Why: a plain step read from a measured table is the segment through its two neighbouring batches,
+    and a steep one has a negative intercept (the default pair: 58 ms at three rows, 86 at four, so -25 ms + 27.7
+    ms per row). That intercept is no fixed cost: scaled by a larger factor than the per-row part it drove the
+    corrected step below zero on noisy fits (per-row share s = P·B / (F + P·B) above 1, the line read past s = 1).
+    The share is a fraction; at s >= 1 the line's value is its per-row factor, so the whole segment takes it (and
+    :meth:`StepCorrection.observe` clips s to [0, 1] alike)."""
+    fixed = np.asarray(fixed_ms, dtype=float)
+    return (fixed * np.where(fixed < 0, per_row_factor, fixed_factor),
+            np.asarray(per_row_ms, dtype=float) * per_row_factor)
+
+
 def _check_decay_and_bounds(decay: float, bounds: tuple[float, float]) -> None:
     if not (0 <= decay < 1):
         raise ValueError(f"decay must be in [0, 1), got {decay}")
@@ -68,7 +83,7 @@ class StepCorrection:
             return
         lo, hi = self.bounds
         y = min(max(measured_ms / modelled, lo), hi)
-        s = per_row_ms * batch / modelled
+        s = min(max(per_row_ms * batch / modelled, 0.0), 1.0)  # a share (see corrected_step_line)
         d = self.decay
         self._w = d * self._w + 1.0
         self._s = d * self._s + s
@@ -102,7 +117,8 @@ class StepCorrection:
         modelled = fixed_ms + per_row_ms * batch
         if not modelled > 0:
             return 1.0
-        return (self.fixed * fixed_ms + self.per_row * per_row_ms * batch) / modelled
+        fixed, per_row = corrected_step_line(fixed_ms, per_row_ms, self.fixed, self.per_row)
+        return float((fixed + per_row * batch) / modelled)
 
     def __repr__(self) -> str:
         return (f"StepCorrection(fixed={self.fixed:.3g}, per_row={self.per_row:.3g}, noise={self.noise:.3g}, "

@@ -184,3 +184,21 @@ def test_the_fit_by_batch_ignores_a_window_it_cannot_read() -> None:
     c.observe(100.0, 0.0, 0.0, 2.0)
     c.observe(100.0, FIXED, PER_ROW, float("nan"))
     assert c.windows == 0 and np.array_equal(c.ratios, np.ones(4))
+
+
+def test_a_segment_with_a_negative_intercept_takes_the_per_row_factor_whole() -> None:
+    """The plain table's steep segment (-25 ms + 27.7 ms per row between three and four rows) is no fixed cost:
+    corrected by a noisy fit (fixed factor 3, per-row 0.3) it stays the per-row factor times the model's step,
+    not below zero; a segment with a positive intercept keeps both factors exactly."""
+    from policies.step_correction import corrected_step_line
+
+    f, p = corrected_step_line(np.array([-24.9, 40.0]), np.array([27.7, 10.0]), 3.0, 0.3)
+    step = f + p * 3.5
+    assert step[0] == pytest.approx(0.3 * (-24.9 + 27.7 * 3.5)) and step[0] > 0
+    assert (f[1], p[1]) == (40.0 * 3.0, 10.0 * 0.3)
+    fit = StepCorrection()
+    for _ in range(5):
+        fit.observe(60.0, 20.0, 10.0, 2.0)  # s = 0.5
+        fit.observe(120.0, -24.9, 27.7, 3.5)  # s = 1.35, read at 1
+    assert fit.at(-24.9, 27.7, 3.5) == pytest.approx(fit.per_row)
+    assert fit.at(-24.9, 27.7, 3.5) * (-24.9 + 27.7 * 3.5) > 0

@@ -7,7 +7,9 @@ simulator's: ``slo``, ``{"policy": "static", "thresholds": 4, "draft_lengths": 2
 run on ``--seeds``; the report gives the tier's attainment and distortion per configuration (mean and
 95 % t-interval over seeds), the TPOT distribution of the high phase's requests pooled over seeds
 (``high_phase_tpot_ms``), the share of the high phase's control windows at plain decoding by quarter of the
-phase (``high_phase_plain_share_by_quarter``), and issue 11's criterion on the means (``benchmarks.load.criterion``).
+phase (``high_phase_plain_share_by_quarter``), issue 11's criterion on the means (``benchmarks.load.criterion``),
+and seed by seed as the live tally judges each seed (``by_seed``: seeds held per policy, each policy paired with
+``slo`` by seed).
 A configuration ``{"policy": "hindsight", "high": [T, k]}`` runs :class:`HindsightSchedule` (plain
 decoding outside the high phase, (T, k) in it, switched at the phase boundaries): a bound on what
 switching can reach, reported beside the others and left out of the criterion; ``{"policy": "trigger", "rows": 2,
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import criterion  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
-from benchmarks.stats import ci95  # noqa: E402
+from benchmarks.stats import ci95, sign_test_p  # noqa: E402
 from policies.base import Policy  # noqa: E402
 from policies.decision import Decision  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
@@ -299,6 +301,43 @@ def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
     return Profile.model_validate({**profile.model_dump(), "latency": lat})
 
 
+def by_seed(configs: list[dict[str, Any]], rows: Mapping[str, list[tuple[float, float]]],
+            tier: dict[str, Any]) -> dict[str, Any] | None:
+    """The criterion seed by seed, as the live tally judges each seed (``rows``: each configuration's (attainment,
+    distortion) per seed, in ``--seeds`` order): how many seeds each policy held, and each policy against the
+    shipped one (``slo``, where it ran) paired by seed: mean attainment difference with its 95 % interval, wins /
+    ties / losses and the sign test; ``each``: every configuration's [attainment, distortion] per seed."""
+    names = [c["name"] for c in configs]
+    n_seeds = len(rows[names[0]]) if names else 0
+    held: dict[str, int] = {}
+    judged = 0
+    for i in range(n_seeds):
+        seed_configs = [{**c, "slo_attainment": rows[c["name"]][i][0], "mean_distortion_per_token": rows[c["name"]][i][1]}
+                        for c in configs]
+        result = criterion(seed_configs, tier)
+        if result is None:
+            return None
+        judged += 1
+        for name, ok in result["held"].items():
+            held[name] = held.get(name, 0) + int(ok)
+    out: dict[str, Any] = {"seeds": judged, "held": held,
+                           "each": {name: [[round(a, 4), round(d, 4)] for a, d in rows[name]] for name in names}}
+    if "slo" in held:
+        paired: dict[str, Any] = {}
+        for name in held:
+            if name == "slo":
+                continue
+            diff = [a - b for (a, _), (b, _) in zip(rows[name], rows["slo"], strict=True)]
+            wins, losses = sum(d > 1e-12 for d in diff), sum(d < -1e-12 for d in diff)
+            mean, ci = ci95(diff)
+            paired[name] = {"attainment_minus_slo": round(mean, 4), "ci95": round(ci, 4), "wins": wins,
+                            "ties": len(diff) - wins - losses, "losses": losses, "sign_test_p": sign_test_p(wins, losses),
+                            "distortion_minus_slo": round(float(np.mean([a - b for (_, a), (_, b) in
+                                                                         zip(rows[name], rows["slo"], strict=True)])), 4)}
+        out["paired_with_slo"] = paired
+    return out
+
+
 def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
     """The replica's profile (the simulated truth), the policies' profile, and the knobs that move the host."""
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
@@ -414,11 +453,12 @@ def main() -> int:
                         "mean_distortion_per_token": distortion, "distortion_ci95": distortion_ci,
                         "high_phase_tpot_ms": tpot_distribution(np.concatenate(burst[name]), args.tpot_ms),
                         "high_phase_plain_share_by_quarter": [round(float(x), 3) for x in np.nanmean(plain_share[name], axis=0)]})
+    judged = [c for c in summary if c["spec"]["policy"] not in SCHEDULES]
+    tier_slo = slo.tiers[args.tier].model_dump()
     out = {"benchmark": "load_sim", **replica_fields(args), "tier": args.tier, "tpot_ms": args.tpot_ms,
            "rates_rps": [low, high, low], "phase_s": args.phase_s, "seeds": args.seeds,
            "command": " ".join([sys.executable, *sys.argv]), "configs": summary,
-           "criterion": criterion([c for c in summary if c["spec"]["policy"] not in SCHEDULES],
-                                  slo.tiers[args.tier].model_dump())}
+           "criterion": criterion(judged, tier_slo), "by_seed": by_seed(judged, rows, tier_slo)}
     emit(out, args.out)
     return 0
 

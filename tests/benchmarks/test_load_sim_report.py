@@ -114,3 +114,21 @@ def test_step_noise_moves_the_replica_as_a_noise_report_says() -> None:
         0.08, 0.05, 0.3, 4.0)
     with pytest.raises(ValueError, match="drift_sigma"):
         with_step_noise(Profile.default(), {"plain": {"scale_by_batch": {}}})
+
+
+def test_by_seed_judges_each_seed_as_the_live_tally_does_and_pairs_with_the_shipped_policy() -> None:
+    """Seed 0: plain decoding meets, so a policy that drafts fails there; seed 1: only T = 4, k = 6 meets, and a
+    policy meeting at less distortion holds. The candidate beats the shipped policy on seed 1, ties on seed 0."""
+    from benchmarks.load_sim import by_seed, load_slo
+
+    configs = [{"name": n, "spec": {"policy": kind}} for n, kind in
+               (("plain", "static"), ("static:4:6", "static"), ("slo", "adaptive"), ("cand", "adaptive"))]
+    rows = {"plain": [(1.0, 0.0), (0.8, 0.0)], "static:4:6": [(1.0, 0.15), (1.0, 0.15)],
+            "slo": [(1.0, 0.03), (0.9, 0.05)], "cand": [(1.0, 0.0), (0.97, 0.06)]}
+    out = by_seed(configs, rows, load_slo("economy", 97.0).tiers["economy"].model_dump())
+    assert out is not None
+    assert out["seeds"] == 2 and out["held"] == {"slo": 0, "cand": 2}
+    cand = out["paired_with_slo"]["cand"]
+    assert (cand["wins"], cand["ties"], cand["losses"]) == (1, 1, 0)
+    assert cand["attainment_minus_slo"] == pytest.approx(0.035) and cand["distortion_minus_slo"] == pytest.approx(-0.01)
+    assert out["each"]["slo"] == [[1.0, 0.03], [0.9, 0.05]]

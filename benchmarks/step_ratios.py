@@ -14,9 +14,13 @@ of step and batch (and after the batch rose by 1.5 rows or more since that kind'
 extrapolate). With ``--first-speculative`` it reports, for each run's first window of speculative steps (the one a
 policy plans before it has measured any: ``draft_prior``), log(predicted / measured) of its ratio under the two
 priors the policy can take there: the model's step (1) and the plain steps' fit so far (the "line" shape at the
-shipped spec's settings, read at that window's composition). Prints JSON (and writes ``--out``)::
+shipped spec's settings, read at that window's composition). With ``--noise`` it reports how the serving machine's
+steps depart from the model in the simulator's terms (:func:`step_noise`: each kind's shape by batch, the spread
+between runs, per-step jitter, drift), what ``benchmarks/load_sim.py --step-noise`` simulates. Prints JSON (and
+writes ``--out``)::
 
     .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s4{0,1}_t97_ttft4_s32_ticks.json.gz --fits
+    .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s*_ticks.json.gz --noise --out results/noise.json
 """
 
 from __future__ import annotations

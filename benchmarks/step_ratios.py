@@ -71,19 +71,28 @@ def window_ratios(telemetry: Mapping[str, Any], model: OperatingModel) -> list[t
             for kind, batch, ms, fixed, per_row in window_steps(telemetry, model)]
 
 
-def _shipped_fits() -> dict[str, Any]:
-    """A fresh fit of each shape, at the shipped spec's step decay, slope prior and batch limit."""
+def _shipped_fits(step_slope_prior: float | None = None) -> dict[str, Any]:
+    """Per shape, a maker of a fresh fit of a kind of step (``speculative``: True / False) at the shipped spec's step
+    decay, slope priors (the plain fit's ``step_slope_prior``, the speculative fits' ``draft_slope_prior``) and batch
+    limit; ``step_slope_prior`` given: every line fit at that prior instead."""
     p = MPCParams()
-    return {"line": lambda: StepCorrection(decay=p.step_decay, slope_prior=p.step_slope_prior),
-            "batch": lambda: BatchStepCorrection(p.max_batch, decay=p.step_decay)}
+
+    def prior(speculative: bool) -> float:
+        if step_slope_prior is not None:
+            return step_slope_prior
+        return p.draft_slope_prior if speculative and p.draft_slope_prior is not None else p.step_slope_prior
+
+    return {"line": lambda speculative: StepCorrection(decay=p.step_decay, slope_prior=prior(speculative)),
+            "batch": lambda speculative: BatchStepCorrection(p.max_batch, decay=p.step_decay)}
 
 
 def fit_errors(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel],
-               min_windows: int = 3) -> dict[str, dict[str, list[float]]]:
+               min_windows: int = 3, step_slope_prior: float | None = None) -> dict[str, dict[str, list[float]]]:
     """log(predicted / measured) of each fit shape's prediction of every window's ratio before observing it, per
     group (``"plain rows 1-2"``, ``"speculative rows 4+"``, ``"plain after a rise"``, ...). ``runs``: each run's
-    telemetry in order; a fit predicts once it has ``min_windows`` windows of its kind (k_max apart)."""
-    makers = _shipped_fits()
+    telemetry in order; a fit predicts once it has ``min_windows`` windows of its kind (k_max apart); the line fits
+    at the shipped spec's priors, or every one at ``step_slope_prior``."""
+    makers = _shipped_fits(step_slope_prior)
     errors: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in makers}
     for telemetry_seq, model in zip(runs, model_of, strict=True):
         fits: dict[str, dict[str, Any]] = {name: {} for name in makers}
@@ -101,7 +110,7 @@ def fit_errors(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
                         errors[name][f"{part} {rows}"].append(error)
                         if rose:
                             errors[name][f"{part} after a rise"].append(error)
-                    fits[name].setdefault(kind, make()).observe(ms, fixed, per_row, batch)
+                    fits[name].setdefault(kind, make(kind != "plain")).observe(ms, fixed, per_row, batch)
                 last_batch[kind] = batch
     return errors
 
@@ -114,7 +123,7 @@ def first_speculative_errors(runs: list[list[Mapping[str, Any]]], model_of: list
     errors: dict[str, list[float]] = {"model": [], "plain": []}
     make = _shipped_fits()["line"]
     for telemetry_seq, model in zip(runs, model_of, strict=True):
-        plain_fit = make()
+        plain_fit = make(False)
         done = False
         for telemetry in telemetry_seq:
             for kind, batch, ms, fixed, per_row in window_steps(telemetry, model):

@@ -187,8 +187,10 @@ class ModelPredictivePolicy:
     * ``step_decay`` — per-window decay of the step-time fits (:class:`StepCorrection`).
     * ``step_slope_prior`` — the spread of the fits' prior on how their correction changes with the batch
       (:class:`StepCorrection`'s ``slope_prior``): smaller trusts one ratio for every batch until windows far
-      apart in batch show otherwise.
-    * ``draft_slope_prior`` — the same for the fits of speculative steps alone (None: ``step_slope_prior``).
+      apart in batch show otherwise. 0.05 (session 37): the plain fit's slope learned on a light phase's one- and
+      two-row windows is noise that priced plain decoding too slow at a cluster's three or four rows.
+    * ``draft_slope_prior`` — the same for the fits of speculative steps alone (None: ``step_slope_prior``);
+      1.5, the prior every fit had before session 37.
     * ``draft_prior`` — what speculative steps are predicted at before any has been measured: ``"model"`` (the
       profile's step) or ``"plain"`` (the plain steps' measured correction: the machine runs both models, and its
       state moves both). Session 36: on the first speculative window of 34 live runs (seeds 37–54,
@@ -260,8 +262,8 @@ class ModelPredictivePolicy:
         alpha: float = 0.3,
         rate_decay: float = 0.97,
         step_decay: float = 0.9,
-        step_slope_prior: float = 1.5,
-        draft_slope_prior: float | None = None,
+        step_slope_prior: float = 0.05,
+        draft_slope_prior: float | None = 1.5,
         draft_prior: str = "model",
         switch_margin: float = 0.1,
         probe_after: int = 30,

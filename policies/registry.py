@@ -112,9 +112,10 @@ class MPCParams(_Params):
     alpha: float = Field(0.3, gt=0, le=1)
     rate_decay: float = Field(0.97, ge=0, lt=1)
     step_decay: float = Field(0.9, ge=0, lt=1)
-    step_slope_prior: float = Field(1.5, gt=0, description="spread of the step fits' prior on a batch-dependent "
-                                    "correction; smaller: one ratio for every batch until far-apart batches differ")
-    draft_slope_prior: float | None = Field(None, gt=0, description="the same for speculative steps' fits alone "
+    step_slope_prior: float = Field(0.05, gt=0, description="spread of the step fits' prior on a batch-dependent "
+                                    "correction; smaller: one ratio for every batch until far-apart batches differ "
+                                    "(the plain fit's; session 37: 1.5 before)")
+    draft_slope_prior: float | None = Field(1.5, gt=0, description="the same for speculative steps' fits alone "
                                             "(None: step_slope_prior)")
     draft_prior: Literal["model", "plain"] = Field("model", description="speculative steps before any is measured: "
                                                   "the profile's step, or the plain steps' measured correction")

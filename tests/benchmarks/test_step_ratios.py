@@ -74,10 +74,13 @@ def test_after_a_rise_the_fit_by_batch_predicts_a_hump_the_line_extrapolates() -
         return {"plain_steps": {"steps": 10, "rows": 10 * batch, "ms": 10 * ratio * float(fixed + per_row * batch)}}
 
     run = [window(1 + i % 2, 1.1 if i % 2 == 0 else 1.3) for i in range(20)] + [window(5, 1.1) for _ in range(3)]
-    errors = fit_errors([run], [model])
+    errors = fit_errors([run], [model], step_slope_prior=1.5)  # the plain fit's prior before session 37
     line_rise, batch_rise = errors["line"]["plain after a rise"], errors["batch"]["plain after a rise"]
     assert len(line_rise) == len(batch_rise) == 1
     assert line_rise[0] > 0.2 and 0.0 < batch_rise[0] < 0.15
+    # The shipped plain fit (prior 0.05 since session 37) reads one ratio: no hump extrapolated either.
+    (shipped_rise,) = fit_errors([run], [model])["line"]["plain after a rise"]
+    assert 0.0 < shipped_rise < 0.15
 
 
 def test_first_speculative_scores_each_prior_on_a_run_s_first_speculative_window() -> None:

@@ -160,15 +160,15 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     windows: list[float] = []
     for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
         for telemetry in telemetry_seq:
-            steps_of = {"plain": (telemetry.get("plain_steps") or {}).get("steps"),
-                        "speculative": (telemetry.get("speculative_steps") or {}).get("steps")}
+            steps_of = {"plain": float((telemetry.get("plain_steps") or {}).get("steps") or 0),
+                        "speculative": float((telemetry.get("speculative_steps") or {}).get("steps") or 0)}
             for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
                 part = "plain" if k == "plain" else "speculative"
-                if part != kind or not steps_of[part] or steps_of[part] < min_steps:
+                if part != kind or steps_of[part] < min_steps:
                     continue
                 windows.append(float(telemetry.get("window_s", math.nan)))
                 rows.append((run, float(telemetry.get("time_s", math.nan)), max(1, round(batch)),
-                             math.log(ms / (fixed + per_row * batch)), float(steps_of[part])))
+                             math.log(ms / (fixed + per_row * batch)), steps_of[part]))
     if len(rows) < 10:
         return {"windows": len(rows)}
     run_idx = np.array([r[0] for r in rows])

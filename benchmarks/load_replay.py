@@ -211,7 +211,8 @@ def pooled_errors(outs: list[dict[str, Any]]) -> dict[str, Any]:
         att, dist, same, verdicts = [], [], 0, 0
         for out in outs:
             config = next((c for c in out["configs"] if c["name"] == name), None)
-            if config is None or config["real"]["slo_attainment"] is None:
+            if (config is None or config["real"]["slo_attainment"] is None
+                    or config["real"]["mean_distortion_per_token"] is None):
                 continue
             att.append(config["sim"]["slo_attainment"] - config["real"]["slo_attainment"])
             dist.append(config["sim"]["mean_distortion_per_token"] - config["real"]["mean_distortion_per_token"])

@@ -196,6 +196,9 @@ def test_a_segment_with_a_negative_intercept_takes_the_per_row_factor_whole() ->
     step = f + p * 3.5
     assert step[0] == pytest.approx(0.3 * (-24.9 + 27.7 * 3.5)) and step[0] > 0
     assert (f[1], p[1]) == (40.0 * 3.0, 10.0 * 0.3)
+    # A falling segment (a measured table need not rise: 80 ms at one row, 50 at two) takes the fixed factor whole.
+    f, p = corrected_step_line(110.0, -30.0, 0.5, 1.5)
+    assert float(f + p * 2.0) == pytest.approx(0.5 * 50.0)
     fit = StepCorrection()
     for _ in range(5):
         fit.observe(60.0, 20.0, 10.0, 2.0)  # s = 0.5

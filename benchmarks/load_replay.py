@@ -163,12 +163,8 @@ def side(configs: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
             if not schedule_kind(c["spec"]) and (key != "real" or c["real"]["slo_attainment"] is not None)]
 
 
-def replay_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One report replayed under ``args`` (main's options): its configurations, real beside simulated."""
-    try:
-        report = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"cannot read the report {path}: {exc}") from None
+def replay_options(args: argparse.Namespace) -> dict[str, Any]:
+    """main's options every report is replayed under, read once: the profiles, the slo policy, schedules, extras."""
     profile, policy_profile = replica_profiles(args)
     try:
         slo_policy = json.loads(args.slo_policy) if args.slo_policy else None
@@ -184,15 +180,27 @@ def replay_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
         extra = parse_named_specs(args.configs, "--config")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if args.ttft_ms is not None and not (args.ttft_ms > 0 and np.isfinite(args.ttft_ms)):
+        raise SystemExit(f"--ttft-ms must be a positive number, got {args.ttft_ms}")
+    return {"profile": profile, "policy_profile": policy_profile, "slo_policy": slo_policy, "schedules": schedules,
+            "extra": extra}
+
+
+def replay_one(path: str, args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    """One report replayed under ``args`` (main's options, read by :func:`replay_options`): its configurations,
+    real beside simulated."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"cannot read the report {path}: {exc}") from None
     if args.ttft_ms is not None:
-        if not (args.ttft_ms > 0 and np.isfinite(args.ttft_ms)):
-            raise SystemExit(f"--ttft-ms must be a positive number, got {args.ttft_ms}")
         try:
             report["slo"]["tiers"][report["tier"]]["ttft_ms"] = args.ttft_ms
         except (KeyError, TypeError) as exc:
             raise SystemExit(f"cannot read the report's tier SLO: {exc}") from None
     try:
-        configs = replay_report(report, profile, policy_profile, args.seeds, slo_policy, schedules, extra)
+        configs = replay_report(report, options["profile"], options["policy_profile"], args.seeds,
+                                options["slo_policy"], options["schedules"], options["extra"])
     except (KeyError, ValueError) as exc:
         raise SystemExit(f"cannot replay {path}: {exc}") from None
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()
@@ -251,7 +259,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-2"), help="simulator seeds per round, e.g. 0-2")
     ap.add_argument("--out", default="results/load_replay.json")
     args = ap.parse_args()
-    outs = [replay_one(path, args) for path in args.reports]
+    options = replay_options(args)
+    outs = [replay_one(path, args, options) for path in args.reports]
     out = outs[0] if len(outs) == 1 else {
         "benchmark": "load_replay", "reports": outs, "command": " ".join([sys.executable, *sys.argv]),
         "pooled": pooled_errors(outs)}

@@ -281,8 +281,9 @@ def _scales(entry: Mapping[str, Any]) -> list[float] | None:
 def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
     """``profile`` with a serving machine's departure from it as ``benchmarks/step_ratios.py --noise`` measured it
     from live windows (its ``noise`` object): the plain and the speculative steps' shapes by batch, the runs'
-    spread of speed as each replica's own speed, and the plain steps' drift and per-step jitter on every step
-    (``LatencyModel.step_*``; the plain steps measure them on the most windows)."""
+    spread of speed as each replica's own speed, the plain steps' drift on every step (a machine's, measured on the
+    most windows), and each kind's own per-step jitter (``LatencyModel.step_*``; a speculative entry without a
+    jitter: the plain one)."""
     try:
         plain = noise["plain"]
         speculative = noise.get("speculative") or {}
@@ -292,6 +293,8 @@ def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
             "step_offset_sigma": float(offset_sd or 0.0), "step_drift_sigma": float(plain["drift_sigma"]),
             "step_jitter_sigma": float(plain["jitter_sigma"]),
         }
+        if speculative.get("jitter_sigma") is not None:
+            fields["speculative_step_jitter_sigma"] = float(speculative["jitter_sigma"])
         if plain.get("drift_tau_s") is not None and math.isfinite(float(plain["drift_tau_s"])):
             fields["step_drift_tau_s"] = float(plain["drift_tau_s"])
     except (AttributeError, KeyError, TypeError, ValueError) as exc:

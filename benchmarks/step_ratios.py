@@ -142,22 +142,30 @@ def first_speculative_errors(runs: list[list[Mapping[str, Any]]], model_of: list
 
 
 def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str = "plain",
-               passes: int = 5, max_lag: int = 5, min_steps: int = 4) -> dict[str, Any]:
+               passes: int = 5, max_lag: int = 5, min_steps: int = 4, batch_tolerance: float = 0.1) -> dict[str, Any]:
     """How a live machine's steps depart from the model, in the simulator's terms (``LatencyModel``'s step drift):
-    each window's log(measured / modelled) mean step of ``kind`` as a run's offset + a shape by batch + a slow drift
+    each window's log(measured / modelled) mean step of ``kind`` as a run's offset + a shape by batch + a drift
     + per-step jitter averaged over the window's steps,
 
-        log r_w = o_run + g(round(B_w)) + d(t_w) + e_w,   Var e_w = σ_jitter² / steps_w,  d an Ornstein-Uhlenbeck
+        log r_w = o_run + g(B_w) + d(t_w) + e_w,   Var e_w = σ_jitter² / steps_w,  d an Ornstein-Uhlenbeck
         process (stationary σ_drift, correlation time τ).
 
-    o and g by alternating means (``passes``); σ_drift² and σ_jitter² from the regression of the squared residuals
-    on 1 / steps; τ from the decay of the residuals' covariance over lags of 1..``max_lag`` windows within a run
-    (the jitter is independent between windows, so that covariance is the drift's alone: σ_drift² · exp(−lag / τ)).
+    o and g by alternating means (``passes``). The drift from the residuals' covariance over lags of 1..``max_lag``
+    windows within a run, σ_drift² · exp(−lag · window / τ): the jitter is independent between windows, so those
+    covariances are the drift's alone, and their log-linear fit gives τ (slope) and σ_drift² (extrapolated to lag
+    0). The jitter from what the drift leaves of the squared residuals, regressed on 1 / steps through the origin.
     A run's offset is its own mean: drift slower than a run reads as offset (``run_offset.sd`` between runs).
+
+    The scales are arithmetic means, as the simulator's factors (each of mean 1) make them: exp(mean offset +
+    shape) × exp(½ (offset variance + the batch's mean squared residual)), the log-normal's mean over its median.
     Windows of fewer than ``min_steps`` steps are left out: live, such a window's time and step count are cut at
-    its edges apart (one-step windows read 0.02-1.5x the model), which is the recording, not the machine."""
+    its edges apart (one-step windows read 0.02-1.5x the model), which is the recording, not the machine. So are
+    windows whose mean batch is more than ``batch_tolerance`` from a whole number: the model is read at the mean
+    batch, and a window that mixes, say, two and four rows would put the table's curvature (the 58 -> 86 ms jump
+    between three and four rows) into the shape at three."""
     rows: list[tuple[int, float, int, float, float]] = []  # (run, time_s, batch, log ratio, steps)
     windows: list[float] = []
+    mixed_batches = 0
     for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
         for telemetry in telemetry_seq:
             steps_of = {"plain": float((telemetry.get("plain_steps") or {}).get("steps") or 0),
@@ -166,11 +174,14 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
                 part = "plain" if k == "plain" else "speculative"
                 if part != kind or steps_of[part] < min_steps:
                     continue
+                if abs(batch - round(batch)) > batch_tolerance:
+                    mixed_batches += 1
+                    continue
                 windows.append(float(telemetry.get("window_s", math.nan)))
                 rows.append((run, float(telemetry.get("time_s", math.nan)), max(1, round(batch)),
                              math.log(ms / (fixed + per_row * batch)), steps_of[part]))
     if len(rows) < 10:
-        return {"windows": len(rows)}
+        return {"windows": len(rows), "mixed_batch_windows": mixed_batches}
     run_idx = np.array([r[0] for r in rows])
     t = np.array([r[1] for r in rows])
     b = np.array([r[2] for r in rows])
@@ -188,13 +199,9 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
         for v in batches.tolist():
             shape[v] = float((y - o)[b == v].mean())
     mean_offset = float(offset[runs_present].mean())
+    offset_sd = float(offset[runs_present].std(ddof=1)) if runs_present.size > 1 else 0.0
     residual = y - offset[run_idx] - np.array([shape[v] for v in b.tolist()])
-    # E[res²] = σ_drift² + σ_jitter² / steps: least squares in (1, 1 / steps).
-    design = np.stack([np.ones_like(steps), 1.0 / steps], axis=1)
-    (drift_var, jitter_var), *_ = np.linalg.lstsq(design, residual**2, rcond=None)
-    drift_var, jitter_var = max(float(drift_var), 0.0), max(float(jitter_var), 0.0)
-    # The drift's correlation time from how the residuals' covariance decays over lags of 1..max_lag windows (the
-    # jitter and whatever else is independent between windows add to the variance, lag 0, not to these).
+    # The residuals' covariance at lags of 1..max_lag windows, within runs (the jitter adds to lag 0 alone).
     covariance: dict[int, list[float]] = defaultdict(list)
     window = float(np.median(windows))
     for r in runs_present:
@@ -205,22 +212,41 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
                 j = slot.get(at + lag)
                 if j is not None:
                     covariance[lag].append(float(residual[i] * residual[j]))
-    lags = [lag for lag in range(1, max_lag + 1) if len(covariance[lag]) >= 10 and np.mean(covariance[lag]) > 0]
-    tau = math.nan
+    mean_cov = {lag: float(np.mean(c)) for lag, c in covariance.items() if len(c) >= 10}
+    total_var = float(np.mean(residual**2))
+    lags = [lag for lag in range(1, max_lag + 1) if mean_cov.get(lag, 0.0) > 0]
+    # The positive lags must start at 1 and run on without a gap: past the first non-positive one, the covariance
+    # is noise about 0, not the drift's tail.
+    lags = [lag for i, lag in enumerate(lags) if lag == i + 1]
+    tau, drift_var = math.nan, 0.0
     if len(lags) >= 2:
-        slope = float(np.polyfit(lags, [math.log(float(np.mean(covariance[lag]))) for lag in lags], 1)[0])
-        tau = -window / slope if slope < 0 else math.inf
-    lag1 = float(np.mean(covariance[1])) / drift_var if covariance[1] and drift_var > 0 else math.nan
+        slope, intercept = (float(x) for x in np.polyfit(lags, [math.log(mean_cov[lag]) for lag in lags], 1))
+        if slope < 0:
+            tau = -window / slope
+            drift_var = min(math.exp(intercept), total_var)
+        else:  # no decay within max_lag windows: slower than the lags see, its level the lags' mean
+            tau = math.inf
+            drift_var = min(float(np.mean([mean_cov[lag] for lag in lags])), total_var)
+    elif lags:  # lag 1 alone: the drift decays within about a window; taken as e-folding over one
+        tau = window
+        drift_var = min(mean_cov[1] * math.e, total_var)
+    # E[res² − σ_drift²] = σ_jitter² / steps: least squares through the origin.
+    inv = 1.0 / steps
+    jitter_var = max(float(np.sum((residual**2 - drift_var) * inv) / np.sum(inv * inv)), 0.0)
+    lag1 = mean_cov[1] / total_var if 1 in mean_cov and total_var > 0 else math.nan
+    centring = 0.5 * offset_sd * offset_sd
     return {
-        "kind": kind, "windows": len(rows), "runs": int(runs_present.size),
-        "run_offset": {"mean": round(mean_offset, 4),
-                       "sd": round(float(offset[runs_present].std(ddof=1)), 4) if runs_present.size > 1 else None},
-        # The shape by batch as multipliers of the model's step (the runs' mean offset folded in), windows per batch.
-        "scale_by_batch": {str(v): {"scale": round(math.exp(mean_offset + shape[v]), 4),
+        "kind": kind, "windows": len(rows), "mixed_batch_windows": mixed_batches, "runs": int(runs_present.size),
+        "run_offset": {"mean": round(mean_offset, 4), "sd": round(offset_sd, 4) if runs_present.size > 1 else None},
+        # The shape by batch as multipliers of the model's mean step (the runs' mean offset folded in; arithmetic
+        # means, see above), windows per batch.
+        "scale_by_batch": {str(v): {"scale": round(math.exp(mean_offset + shape[v] + centring
+                                                            + 0.5 * float(np.mean(residual[b == v] ** 2))), 4),
                                     "windows": int((b == v).sum())} for v in batches.tolist()},
-        "residual_sd": round(float(residual.std()), 4),
+        "residual_sd": round(math.sqrt(total_var), 4),
         "drift_sigma": round(math.sqrt(drift_var), 4), "jitter_sigma": round(math.sqrt(jitter_var), 4),
         "window_s": round(window, 3), "lag_pairs": {str(lag): len(covariance[lag]) for lag in range(1, max_lag + 1)},
+        "lag_covariance": {str(lag): round(c, 5) for lag, c in sorted(mean_cov.items())},
         "lag1_correlation": round(lag1, 3) if math.isfinite(lag1) else None,
         "drift_tau_s": round(tau, 2) if math.isfinite(tau) else None,
     }

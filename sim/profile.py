@@ -181,6 +181,10 @@ class LatencyModel(BaseModel):
         0.0, ge=0, le=2, description="each iteration's own log-normal factor (mean 1), independent between "
         "iterations; 0: none"
     )
+    speculative_step_jitter_sigma: float | None = Field(
+        None, ge=0, le=2, description="that jitter's spread on speculative steps (a plain step is one short "
+        "forward, a speculative one several: live, their spreads differ by ~3x); None: step_jitter_sigma"
+    )
 
     def plain_coeffs(self) -> tuple[float, float]:
         """``(fixed, per_seq)`` of a k = 0 step: measured, else the verify model at k = 0."""
@@ -206,7 +210,8 @@ class LatencyModel(BaseModel):
     def varies_steps(self) -> bool:
         """Whether iterations depart from the model's time (a shape by batch, offset, drift or jitter)."""
         return (self.plain_step_scale_by_batch is not None or self.speculative_step_scale_by_batch is not None
-                or self.step_offset_sigma > 0 or self.step_drift_sigma > 0 or self.step_jitter_sigma > 0)
+                or self.step_offset_sigma > 0 or self.step_drift_sigma > 0 or self.step_jitter_sigma > 0
+                or bool(self.speculative_step_jitter_sigma))
 
     def step_scale_table(self, max_batch: int) -> np.ndarray:
         """[2, max_batch + 1] the shapes' multipliers (row 0 plain steps, row 1 speculative) at 0 .. max_batch rows

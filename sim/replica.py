@@ -65,6 +65,7 @@ _MAX_PASSIVE_LAG = 2
 _KERNEL_ENABLED = True
 _EMPTY = np.zeros(0)
 _NO_ROWS = np.zeros((0, 0))
+_NO_SPEED = np.zeros((2, 0))  # Replica._speeds' shape, no iterations: the machine runs as modelled
 
 
 class ReplicaState(enum.Enum):
@@ -336,6 +337,8 @@ class Replica:
         self._row_scale = latency.step_scale_table(max_batch) if shaped else _NO_ROWS  # [plain, speculative] by rows
         self._drift_sigma, self._drift_tau_s = latency.step_drift_sigma, latency.step_drift_tau_s
         self._jitter_sigma = latency.step_jitter_sigma
+        spec_jitter = latency.speculative_step_jitter_sigma
+        self._spec_jitter_sigma = latency.step_jitter_sigma if spec_jitter is None else spec_jitter
         offset = latency.step_offset_sigma
         self._speed = math.exp(float(rng.normal(0.0, offset)) - 0.5 * offset * offset) if offset > 0 else 1.0
         self._drift_log = float(rng.normal(0.0, self._drift_sigma)) if self._drift_sigma > 0 else 0.0  # stationary
@@ -408,7 +411,7 @@ class Replica:
         u = self.rng.random((h, b))
         k_plus_1 = settings.k_pad + 1
         off = 1 if n_new else 0  # row 0 is the joiners' prefill
-        speed = self._speeds(now, h + off) if self._varies else _EMPTY
+        speed = self._speeds(now, h + off) if self._varies else _NO_SPEED
         t0 = tier_list[0]
         one_tier = b == 1 or table.single_tier or min(tier_list) == max(tier_list)
         tier_set = frozenset(tier_list)
@@ -426,7 +429,7 @@ class Replica:
                 u, off, remaining, one_tier, odds is not None, survival_rows, rows.survival_asc0, k_plus_1, rows.grid,
                 rows.grid_tokens, rows.weights, uniform, step.ms, step.features, rows.row_k_float, self._mixed_coeffs,
                 _EMPTY if plain_ms is None else plain_ms, rows.onehot, _B + 2 * self.bins.n_tiers,
-                prefill_ms * float(speed[0]) if n_new and speed.size else prefill_ms, self.batch_limit if queue else 1,
+                prefill_ms * float(speed[0, 0]) if n_new and speed.size else prefill_ms, self.batch_limit if queue else 1,
                 now, self.bins.tick_s, self.bins.sums, not events, speed, self._row_scale)
             distortion_rows: np.ndarray | None = None
             if events:
@@ -564,18 +567,19 @@ class Replica:
             dt_ms *= draws
             catch_up_ms *= float(draws[off])
         if self._varies:
-            if self._row_scale.size:  # decode iterations only (a prefill's time does not grow with the batch)
-                if uniform:
-                    kind = self._row_scale[1 if int(rows.row_k[0]) > 0 else 0]
-                    scale = kind.take(active_before[off:])
-                else:
-                    assert k_max is not None
-                    scale = np.where(k_max[off:] > 0, self._row_scale[1].take(active_before[off:]),
-                                     self._row_scale[0].take(active_before[off:]))
+            # Decode iterations by their kind (plain, speculative); a prefill takes the plain factor and no shape
+            # (its time does not grow with the batch).
+            speculative = (np.full(h, int(rows.row_k[0]) > 0) if uniform
+                           else np.asarray(k_max)[off:] > 0)
+            if self._row_scale.size:
+                scale = np.where(speculative, self._row_scale[1].take(active_before[off:]),
+                                 self._row_scale[0].take(active_before[off:]))
                 dt_ms[off:] *= scale
                 catch_up_ms *= float(scale[0])
-            dt_ms *= speed
-            catch_up_ms *= float(speed[off])
+            factor = speed[0].copy()
+            factor[off:] = np.where(speculative, speed[1, off:], speed[0, off:])
+            dt_ms *= factor
+            catch_up_ms *= float(factor[off])
         if not uniform or catch_up_ms or self._exponential_times or self._varies:
             # The steps' times as drawn (the table holds the model's); as the engine reports it, the
             # catch-up is not a decode step's time.
@@ -618,8 +622,10 @@ class Replica:
         return emitted, finish_iter, active_after, features, end_s, length, distortion_rows, lag_grows
 
     def _speeds(self, now: float, n_iter: int) -> np.ndarray:
-        """[n_iter] each iteration's factor on its modelled time: the replica's speed × the drift, advanced to ``now``
-        (an exact Ornstein-Uhlenbeck step over the time since the last segment began) × each iteration's jitter."""
+        """[2, n_iter] each iteration's factor on its modelled time were it a plain step (row 0; a prefill too) or a
+        speculative one (row 1): the replica's speed × the drift, advanced to ``now`` (an exact Ornstein-Uhlenbeck
+        step over the time since the last segment began) × each iteration's jitter, of its kind's spread (one
+        normal draw per iteration, which only one kind uses)."""
         factor = self._speed
         sigma = self._drift_sigma
         if sigma > 0:
@@ -627,10 +633,16 @@ class Replica:
             self._drift_log = rho * self._drift_log + sigma * math.sqrt(1.0 - rho * rho) * float(self.rng.normal())
             self._drift_at = now
             factor *= math.exp(self._drift_log - 0.5 * sigma * sigma)  # mean 1
-        jitter = self._jitter_sigma
-        if jitter > 0:
-            return np.asarray(factor * np.exp(jitter * self.rng.normal(size=n_iter) - 0.5 * jitter * jitter))
-        return np.full(n_iter, factor)
+        out = np.full((2, n_iter), factor)
+        jitter, spec_jitter = self._jitter_sigma, self._spec_jitter_sigma
+        if jitter > 0 or spec_jitter > 0:
+            z = self.rng.normal(size=n_iter)
+            out[0] *= np.exp(jitter * z - 0.5 * jitter * jitter)
+            if spec_jitter == jitter:
+                out[1] = out[0]
+            else:
+                out[1] *= np.exp(spec_jitter * z - 0.5 * spec_jitter * spec_jitter)
+        return out
 
     @staticmethod
     def _request_survival(odds: np.ndarray, ids: np.ndarray | None, rows: _BatchTables) -> np.ndarray:

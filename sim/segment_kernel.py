@@ -58,7 +58,8 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
     tick_s: np.ndarray,  # the control ticks' times (WindowBins.bin_of's)
     sums: np.ndarray,  # WindowBins.sums: the drawn iterations are added here when add_to_sums
     add_to_sums: bool,  # False where the caller still changes features (distortion events) and adds them itself
-    speed: np.ndarray,  # [h + off] each iteration's factor on its time (drift × jitter; empty: none); prefill_ms has it
+    speed: np.ndarray,  # [2, h + off] each iteration's factor on its time as a plain step (row 0) or a speculative one
+    # (row 1): the replica's speed × drift × jitter ([2, 0]: none); prefill_ms has it
     row_scale: np.ndarray,  # [2, max_batch + 1] a decode iteration's factor by its kind (plain, speculative) and rows
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
     """``(emitted [L, b] cumulative and clipped, finish_iter [b], active_after [L], features [L, F],
@@ -82,7 +83,8 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
     length = n_iter
     stopped = False
     shaped = row_scale.shape[0] > 0
-    scaled = speed.shape[0] > 0 or shaped
+    sped = speed.shape[1] > 0
+    scaled = sped or shaped
     for j in range(n_iter):
         decode = j >= off
         active = 0
@@ -120,8 +122,8 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
                 speculative = features[j, _SPEC_ITERS] > 0
                 if shaped:
                     ms *= row_scale[1 if speculative else 0, active_before]
-                if speed.shape[0]:
-                    ms *= speed[j]
+                if sped:
+                    ms *= speed[1 if speculative else 0, j]
                 features[j, _ITER_MS] = ms
                 if speculative:
                     features[j, _SPEC_MS] = ms
@@ -143,8 +145,8 @@ def draw_segment(  # one flat signature of arrays and scalars: numba compiles on
                 ms = mixed[PLAIN_FIXED] + mixed[PLAIN_PER_ROW] * active_before
             if shaped:
                 ms *= row_scale[1 if k_max > 0 else 0, active_before]
-            if speed.shape[0]:
-                ms *= speed[j]
+            if sped:
+                ms *= speed[1 if k_max > 0 else 0, j]
             spec = 1.0 if k_max > 0 else 0.0
             features[j, _SEQ_ITERS] = active_before
             features[j, _DRAFTED] = drafted

@@ -101,7 +101,8 @@ def test_row_trigger_drafts_from_the_row_count_and_holds_after_the_last_window_t
 
 def test_step_noise_moves_the_replica_as_a_noise_report_says() -> None:
     """--step-noise: the report's shapes per kind (a batch it did not see takes the nearest one's), the runs'
-    spread as each replica's speed, drift and jitter; a malformed report is refused with what is wrong."""
+    spread as each replica's speed, drift and each kind's jitter; a malformed report is refused with what is
+    wrong."""
     from benchmarks.load_sim import with_step_noise
     from sim.profile import Profile
 
@@ -109,6 +110,9 @@ def test_step_noise_moves_the_replica_as_a_noise_report_says() -> None:
                        "drift_sigma": 0.05, "jitter_sigma": 0.3, "drift_tau_s": 4.0},
              "speculative": {"scale_by_batch": {"2": {"scale": 0.95}}}}
     lat = with_step_noise(Profile.default(), noise).latency
+    assert lat.speculative_step_jitter_sigma is None  # the plain steps' jitter
+    noise["speculative"]["jitter_sigma"] = 0.07
+    assert with_step_noise(Profile.default(), noise).latency.speculative_step_jitter_sigma == 0.07
     assert lat.plain_step_scale_by_batch == [1.1, 1.1, 1.3] and lat.speculative_step_scale_by_batch == [0.95, 0.95]
     assert (lat.step_offset_sigma, lat.step_drift_sigma, lat.step_jitter_sigma, lat.step_drift_tau_s) == (
         0.08, 0.05, 0.3, 4.0)

@@ -98,9 +98,11 @@ def test_first_speculative_scores_each_prior_on_a_run_s_first_speculative_window
     assert errors["plain"] == [pytest.approx(0.0, abs=1e-9)]
 
 
-def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 3600.0) -> tuple[list[dict], object]:
-    """An hour of plain decoding on one replica of the calibrated profile whose steps depart from it as
-    ``latency`` says: each window's telemetry as a controller records it, and the model it is measured against."""
+def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 3600.0,
+                   k: int = 0) -> tuple[list[dict], object]:
+    """An hour of decoding at draft length ``k`` (0: plain) on one replica of the calibrated profile whose steps
+    depart from it as ``latency`` says: each window's telemetry as a controller records it, and the model it is
+    measured against."""
     from policies.static import StaticPolicy
     from sim.decision_replay import profile_model
     from sim.profile import Profile
@@ -110,7 +112,7 @@ def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 36
     data = base.model_dump()
     data["latency"].update(latency)
     slo = single_tier_slo(tpot_ms=200.0)
-    recorder = Recorder(StaticPolicy(slo, 0.0, 0))
+    recorder = Recorder(StaticPolicy(slo, 0.0, k))
     workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": 0.5},
                              prompt_tokens={"kind": "fixed", "value": 40}, output_tokens={"kind": "fixed", "value": 48})
     run_sim(workload, recorder, slo=slo, profile=Profile.model_validate(data), replicas=1, seed=seed)
@@ -119,8 +121,9 @@ def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 36
 
 def test_noise_recovers_the_simulated_machine() -> None:
     """--noise measures what the simulator's step drift draws (a statistical check, fixed seeds): the shape by
-    batch within 5 %, the drift's and the jitter's spreads within 30 %, the drift's correlation time within 2x;
-    and on steps exactly as modelled it finds no shape, no drift and no jitter."""
+    batch within 5 % (arithmetic means, as the simulator's factors are), the drift's and the jitter's spreads
+    within 30 %, the drift's correlation time within 2x; and on steps exactly as modelled it finds no shape, no
+    drift and next to no jitter."""
     from benchmarks.step_ratios import step_noise
 
     truth = {"plain_step_scale_by_batch": [1.1, 1.3, 1.25, 1.15], "step_drift_sigma": 0.12, "step_drift_tau_s": 15.0,
@@ -128,7 +131,7 @@ def test_noise_recovers_the_simulated_machine() -> None:
     for seed in (1, 2):
         windows, model = _noisy_windows(truth, seed)
         noise = step_noise([windows], [model], "plain")
-        assert noise["windows"] > 2000, noise
+        assert noise["windows"] > 1000, noise
         for batch, cell in noise["scale_by_batch"].items():
             if cell["windows"] >= 100:
                 want = truth["plain_step_scale_by_batch"][min(int(batch), 4) - 1]
@@ -138,5 +141,19 @@ def test_noise_recovers_the_simulated_machine() -> None:
         assert 7.5 <= noise["drift_tau_s"] <= 30.0, noise
     exact, model = _noisy_windows({}, 1, duration_s=900.0)
     quiet = step_noise([exact], [model], "plain")
-    assert quiet["drift_sigma"] < 0.03 and quiet["jitter_sigma"] < 0.05, quiet
+    # The recording's own floor (a window's steps cut at its edges) reads as a little jitter, a fifth of the truth's.
+    assert quiet["drift_sigma"] < 0.03 and quiet["jitter_sigma"] < 0.08, quiet
     assert all(cell["scale"] == pytest.approx(1.0, abs=0.03) for cell in quiet["scale_by_batch"].values()), quiet
+
+
+def test_each_kind_of_step_has_its_own_jitter() -> None:
+    """A machine whose plain steps jitter 0.3 and speculative ones 0.08 (live, ~0.22 and ~0.07): --noise reads
+    each kind's own spread from its windows (within 30 %, fixed seed), so the simulator is handed both."""
+    from benchmarks.step_ratios import step_noise
+
+    machine = {"step_jitter_sigma": 0.3, "speculative_step_jitter_sigma": 0.08}
+    plain, model = _noisy_windows(machine, 3, duration_s=1200.0)
+    speculative, _ = _noisy_windows(machine, 3, duration_s=1200.0, k=4)
+    assert step_noise([plain], [model], "plain")["jitter_sigma"] == pytest.approx(0.3, rel=0.3)
+    read = step_noise([speculative], [model], "speculative")
+    assert read["windows"] > 200 and read["jitter_sigma"] == pytest.approx(0.08, rel=0.3), read

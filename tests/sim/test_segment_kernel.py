@@ -38,7 +38,8 @@ def _varying_profile() -> Profile:
     """The plain-table profile on a machine that departs from it: a shape by batch, drift and jitter."""
     data = _plain_table_profile().model_dump()
     data["latency"].update(plain_step_scale_by_batch=[1.1, 1.3, 1.2], speculative_step_scale_by_batch=[0.9, 1.05],
-                           step_offset_sigma=0.1, step_drift_sigma=0.15, step_drift_tau_s=5.0, step_jitter_sigma=0.2)
+                           step_offset_sigma=0.1, step_drift_sigma=0.15, step_drift_tau_s=5.0, step_jitter_sigma=0.2,
+                           speculative_step_jitter_sigma=0.05)
     return Profile.model_validate(data)
 
 

@@ -282,8 +282,9 @@ def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
     """``profile`` with a serving machine's departure from it as ``benchmarks/step_ratios.py --noise`` measured it
     from live windows (its ``noise`` object): the plain and the speculative steps' shapes by batch, the runs'
     spread of speed as each replica's own speed, the plain steps' drift on every step (a machine's, measured on the
-    most windows), and each kind's own per-step jitter (``LatencyModel.step_*``; a speculative entry without a
-    jitter: the plain one)."""
+    most windows), each kind's own per-step jitter (``LatencyModel.step_*``; a speculative entry without a
+    jitter: the plain one), and the target's prefill × the ``prefill`` entry's scale (live joins' prefills against
+    the calibrated profile's; none: as the profile)."""
     try:
         plain = noise["plain"]
         speculative = noise.get("speculative") or {}
@@ -295,12 +296,20 @@ def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
         }
         if speculative.get("jitter_sigma") is not None:
             fields["speculative_step_jitter_sigma"] = float(speculative["jitter_sigma"])
+        prefill_scale = float((noise.get("prefill") or {}).get("scale") or 1.0)
+        if not (math.isfinite(prefill_scale) and prefill_scale > 0):
+            raise ValueError(f"prefill scale must be finite and > 0, got {prefill_scale}")
         if plain.get("drift_tau_s") is not None and math.isfinite(float(plain["drift_tau_s"])):
             fields["step_drift_tau_s"] = float(plain["drift_tau_s"])
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a step_ratios.py --noise object ({exc!r})") from None
     lat = profile.latency.model_dump()
     lat.update(fields)
+    if prefill_scale != 1.0:  # the target's prefill (the draft's, where the profile has one, as measured)
+        lat["prefill_fixed_ms"] *= prefill_scale
+        lat["prefill_ms_per_token"] *= prefill_scale
+        if lat.get("prefill_ms_by_tokens"):
+            lat["prefill_ms_by_tokens"] = [(tokens, ms * prefill_scale) for tokens, ms in lat["prefill_ms_by_tokens"]]
     return Profile.model_validate({**profile.model_dump(), "latency": lat})
 
 

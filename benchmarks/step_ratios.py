@@ -16,8 +16,9 @@ policy plans before it has measured any: ``draft_prior``), log(predicted / measu
 priors the policy can take there: the model's step (1) and the plain steps' fit so far (the "line" shape at the
 shipped spec's settings, read at that window's composition). With ``--noise`` it reports how the serving machine's
 steps depart from the model in the simulator's terms (:func:`step_noise`: each kind's shape by batch, the spread
-between runs, per-step jitter, drift), what ``benchmarks/load_sim.py --step-noise`` simulates. Prints JSON (and
-writes ``--out``)::
+between runs, per-step jitter, drift; and :func:`prefill_noise`: the joins' prefills against the calibrated
+profile's, at the mean prompt of the report each ticks file names), what ``benchmarks/load_sim.py --step-noise``
+simulates. Prints JSON (and writes ``--out``)::
 
     .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s4{0,1}_t97_ttft4_s32_ticks.json.gz --fits
     .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s*_ticks.json.gz --noise --out results/noise.json
@@ -26,6 +27,8 @@ writes ``--out``)::
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import math
 import statistics
 import sys
@@ -44,6 +47,7 @@ from policies.registry import MPCParams  # noqa: E402
 from policies.step_correction import BatchStepCorrection, StepCorrection  # noqa: E402
 from policies.telemetry import StepTotals  # noqa: E402
 from sim.decision_replay import last_policy_span, load_histories  # noqa: E402
+from sim.profile import LatencyModel, Profile  # noqa: E402
 
 
 def window_steps(telemetry: Mapping[str, Any], model: OperatingModel) -> list[tuple[str, float, float, float, float]]:
@@ -252,6 +256,41 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     }
 
 
+def prefill_noise(runs: list[list[Mapping[str, Any]]], prompt_tokens: list[float],
+                  latency: LatencyModel) -> dict[str, Any]:
+    """How a live machine's joins' prefills compare with ``latency``'s target prefill (the simulator's), from windows
+    with exactly one arrival, none refused, and a measured prefill: measured / modelled at the run's mean prompt
+    (``prompt_tokens``, one per run). The scale is the median: a window that also holds the previous window's
+    arrival's prefill reads double, and the mean would count it (the simulator adds its own spread on top)."""
+    ratios: list[float] = []
+    for telemetry_seq, prompt in zip(runs, prompt_tokens, strict=True):
+        modelled = latency.target_prefill_ms(prompt)
+        for telemetry in telemetry_seq:
+            measured = telemetry.get("prefill_ms")
+            if (telemetry.get("arrivals") != 1 or telemetry.get("rejections") or measured is None
+                    or not math.isfinite(float(measured)) or float(measured) <= 0):
+                continue
+            ratios.append(float(measured) / modelled)
+    if len(ratios) < 10:
+        return {"windows": len(ratios)}
+    q10, q50, q90 = np.quantile(ratios, [0.1, 0.5, 0.9])
+    return {"windows": len(ratios), "scale": round(float(q50), 4), "mean": round(statistics.fmean(ratios), 4),
+            "q10": round(float(q10), 4), "q90": round(float(q90), 4)}
+
+
+def report_prompt_tokens(ticks_path: str, default: float) -> float:
+    """Mean prompt tokens of the requests of the report a ``--ticks`` file names (``default`` where it names none or
+    the report is not there)."""
+    try:
+        p = Path(ticks_path)
+        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        report = json.loads(Path(json.loads(raw)["report"]).read_text())
+        prompts = [float(r["prompt_tokens"]) for run in report["runs"] for r in run["records"] if r.get("prompt_tokens")]
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+    return statistics.fmean(prompts) if prompts else default
+
+
 def _error_summary(errors: list[float]) -> dict[str, float]:
     e = np.asarray(errors)
     return {"windows": int(e.size), "bias": round(float(e.mean()), 3), "mean_abs": round(float(np.abs(e).mean()), 3),
@@ -267,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                     "predicted under the model's step and under the plain steps' fit (draft_prior)")
     ap.add_argument("--noise", action="store_true", help="also the steps' departure from the model as the simulator's "
                     "step drift models it: run offset, shape by batch, drift and jitter (plain and speculative steps)")
+    ap.add_argument("--prompt-tokens", type=float, default=40.0, help="--noise: a run's prompt length where its "
+                    "ticks file names no report to read it from (load.py's default prompts are 35-41 tokens)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     default_model = OperatingModel.load(DEFAULT_MODEL_PATH)
@@ -274,17 +315,20 @@ def main(argv: list[str] | None = None) -> int:
                            "files": {}}
     runs: list[list[Mapping[str, Any]]] = []
     models: list[OperatingModel] = []
+    prompts: list[float] = []
     for path in args.ticks:
         try:
             histories = load_histories(path)
         except ValueError as exc:
             raise SystemExit(f"step_ratios: {exc}") from None
+        prompt = report_prompt_tokens(path, args.prompt_tokens) if args.noise else args.prompt_tokens
         cells: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         for history in histories.values():
             span = last_policy_span(history)
             model = span.operating_model or default_model
             runs.append([entry.get("telemetry") or {} for entry in span.ticks])
             models.append(model)
+            prompts.append(prompt)
             for entry in span.ticks:
                 for kind, batch, ratio in window_ratios(entry.get("telemetry") or {}, model):
                     cells[kind][max(1, round(batch))].append(ratio)
@@ -302,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                                     first_speculative_errors(runs, models).items() if e}
     if args.noise:
         out["noise"] = {kind: step_noise(runs, models, kind) for kind in ("plain", "speculative")}
+        # Against the calibrated profile's prefill: the simulator's replica runs it (the policy's model is its own).
+        out["noise"]["prefill"] = prefill_noise(runs, prompts, Profile.default().latency)
     emit(out, args.out)
     return 0
 

@@ -157,3 +157,48 @@ def test_each_kind_of_step_has_its_own_jitter() -> None:
     assert step_noise([plain], [model], "plain")["jitter_sigma"] == pytest.approx(0.3, rel=0.3)
     read = step_noise([speculative], [model], "speculative")
     assert read["windows"] > 200 and read["jitter_sigma"] == pytest.approx(0.08, rel=0.3), read
+
+
+def test_prefill_noise_reads_a_machine_s_slower_prefills() -> None:
+    """Joins' prefills 1.3x the profile's on the simulated machine (live: ~1.25x): the median single-join window
+    reads 1.3 (within 5 %, fixed seed); on the profile as is, 1. A prefill of two arrivals' window is not read."""
+    from benchmarks.load_sim import with_step_noise
+    from benchmarks.step_ratios import prefill_noise
+    from sim.profile import Profile
+
+    latency = Profile.default().latency
+    slow = with_step_noise(Profile.default(), {"plain": {"drift_sigma": 0.0, "jitter_sigma": 0.0},
+                                               "prefill": {"scale": 1.3}}).latency
+    assert slow.target_prefill_ms(40) == pytest.approx(1.3 * latency.target_prefill_ms(40))
+    prefills = {key: getattr(slow, key) for key in ("prefill_fixed_ms", "prefill_ms_per_token", "prefill_ms_by_tokens")}
+    windows, _ = _noisy_windows(prefills, 4, duration_s=1200.0)
+    read = prefill_noise([windows], [40.0], latency)
+    assert read["windows"] > 100 and read["scale"] == pytest.approx(1.3, rel=0.05), read
+    as_is, _ = _noisy_windows({}, 4, duration_s=1200.0)
+    assert prefill_noise([as_is], [40.0], latency)["scale"] == pytest.approx(1.0, rel=0.05)
+    assert prefill_noise([[{"arrivals": 2, "prefill_ms": 500.0}] * 20], [40.0], latency) == {"windows": 0}
+
+
+def test_noise_reads_the_prompt_length_from_the_report_the_ticks_file_names(tmp_path: Path) -> None:
+    """--noise measures prefills at the mean prompt of the requests in the report a ticks file names; without one
+    (or where it is gone) at ``--prompt-tokens``."""
+    from benchmarks.step_ratios import report_prompt_tokens
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"runs": [{"records": [{"prompt_tokens": 36}, {"prompt_tokens": 40}, {"status": 503}]}]}))
+    named = tmp_path / "named_ticks.json.gz"
+    named.write_bytes(gzip.compress(json.dumps({"report": str(report), "runs": []}).encode()))
+    bare = tmp_path / "bare_ticks.json"
+    bare.write_text(json.dumps({"runs": []}))
+    assert report_prompt_tokens(str(named), 40.0) == pytest.approx(38.0)
+    assert report_prompt_tokens(str(bare), 40.0) == 40.0
+    report.unlink()
+    assert report_prompt_tokens(str(named), 41.0) == 41.0
+
+    path = tmp_path / "ticks.json.gz"
+    history = recorded_history({"policy": "slo"}, SLOSpec.default())
+    path.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 0, "history": history}]}).encode()))
+    out = tmp_path / "out.json"
+    assert main([str(path), "--noise", "--out", str(out)]) == 0
+    noise = json.loads(out.read_text())["noise"]
+    assert set(noise) == {"plain", "speculative", "prefill"} and "windows" in noise["prefill"], noise

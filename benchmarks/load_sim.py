@@ -296,7 +296,8 @@ def with_step_noise(profile: Profile, noise: Mapping[str, Any]) -> Profile:
         }
         if speculative.get("jitter_sigma") is not None:
             fields["speculative_step_jitter_sigma"] = float(speculative["jitter_sigma"])
-        prefill_scale = float((noise.get("prefill") or {}).get("scale") or 1.0)
+        given = (noise.get("prefill") or {}).get("scale")
+        prefill_scale = 1.0 if given is None else float(given)
         if not (math.isfinite(prefill_scale) and prefill_scale > 0):
             raise ValueError(f"prefill scale must be finite and > 0, got {prefill_scale}")
         if plain.get("drift_tau_s") is not None and math.isfinite(float(plain["drift_tau_s"])):

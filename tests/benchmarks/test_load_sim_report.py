@@ -118,8 +118,9 @@ def test_step_noise_moves_the_replica_as_a_noise_report_says() -> None:
         0.08, 0.05, 0.3, 4.0)
     with pytest.raises(ValueError, match="drift_sigma"):
         with_step_noise(Profile.default(), {"plain": {"scale_by_batch": {}}})
-    with pytest.raises(ValueError, match="prefill scale"):
-        with_step_noise(Profile.default(), {**noise, "prefill": {"scale": -1.0}})
+    for bad in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="prefill scale"):
+            with_step_noise(Profile.default(), {**noise, "prefill": {"scale": bad}})
 
 
 def test_by_seed_judges_each_seed_as_the_live_tally_does_and_pairs_with_the_shipped_policy() -> None:

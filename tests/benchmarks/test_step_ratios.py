@@ -18,10 +18,16 @@ from policies.slo import SLOSpec
 from tests.sim.conftest import recorded_history
 
 
-def test_a_simulated_history_measures_its_own_model(tmp_path: Path) -> None:
+def _simulated_ticks(tmp_path: Path) -> Path:
+    """A ticks file of one simulated run of the shipped SLO policy, as ``benchmarks/load.py --ticks`` writes it."""
     path = tmp_path / "ticks.json.gz"
     history = recorded_history({"policy": "slo"}, SLOSpec.default())
     path.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 0, "history": history}]}).encode()))
+    return path
+
+
+def test_a_simulated_history_measures_its_own_model(tmp_path: Path) -> None:
+    path = _simulated_ticks(tmp_path)
     out = tmp_path / "out.json"
     assert main([str(path), "--out", str(out)]) == 0
     kinds = json.loads(out.read_text())["files"][str(path)]
@@ -51,9 +57,7 @@ def test_an_unreadable_file_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_fits_on_a_simulated_history_predict_its_own_model(tmp_path: Path) -> None:
     """--fits: on steps exactly as the model says, both fit shapes predict every window at ratio 1."""
-    path = tmp_path / "ticks.json.gz"
-    history = recorded_history({"policy": "slo"}, SLOSpec.default())
-    path.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 0, "history": history}]}).encode()))
+    path = _simulated_ticks(tmp_path)
     out = tmp_path / "out.json"
     assert main([str(path), "--fits", "--out", str(out)]) == 0
     errors = json.loads(out.read_text())["fit_errors"]
@@ -195,9 +199,7 @@ def test_noise_reads_the_prompt_length_from_the_report_the_ticks_file_names(tmp_
     report.unlink()
     assert report_prompt_tokens(str(named), 41.0) == 41.0
 
-    path = tmp_path / "ticks.json.gz"
-    history = recorded_history({"policy": "slo"}, SLOSpec.default())
-    path.write_bytes(gzip.compress(json.dumps({"runs": [{"name": "slo", "round": 0, "history": history}]}).encode()))
+    path = _simulated_ticks(tmp_path)
     out = tmp_path / "out.json"
     assert main([str(path), "--noise", "--out", str(out)]) == 0
     noise = json.loads(out.read_text())["noise"]

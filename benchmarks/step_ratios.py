@@ -18,10 +18,13 @@ shipped spec's settings, read at that window's composition). With ``--noise`` it
 steps depart from the model in the simulator's terms (:func:`step_noise`: each kind's shape by batch, the spread
 between runs, per-step jitter, drift; and :func:`prefill_noise`: the joins' prefills against the calibrated
 profile's, at the mean prompt of the report each ticks file names), what ``benchmarks/load_sim.py --step-noise``
-simulates. Prints JSON (and writes ``--out``)::
+simulates. With ``--against NOISE`` (such a report) it gives each file's steps off that simulated machine
+(:func:`machine_offsets`): whether the live machine a run was on is the one the simulator runs. Prints JSON (and
+writes ``--out``)::
 
     .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s4{0,1}_t97_ttft4_s32_ticks.json.gz --fits
     .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s*_ticks.json.gz --noise --out results/noise.json
+    .venv/bin/python benchmarks/step_ratios.py docs/img/load_economy_s6*_ticks.json.gz --against results/noise.json
 """
 
 from __future__ import annotations
@@ -278,6 +281,37 @@ def prefill_noise(runs: list[list[Mapping[str, Any]]], prompt_tokens: list[float
             "q10": round(float(q10), 4), "q90": round(float(q90), 4)}
 
 
+def machine_offsets(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], noise: Mapping[str, Any],
+                    min_steps: int = 4, batch_tolerance: float = 0.1) -> dict[str, Any]:
+    """How far ``runs``' steps sit from a simulated machine (``noise``: a ``--noise`` report's ``"noise"``), per kind:
+    the mean over windows of log(measured / modelled) less the log of the machine's scale at the window's batch (the
+    windows :func:`step_noise` reads: ``min_steps`` steps or more, a whole batch the machine has a scale for), and
+    that in the machine's spread of a run's offset (``z``). Near 0 where the runs are of the machine measured; a
+    run's own offset spreads by ``run_offset.sd`` about it."""
+    out: dict[str, Any] = {}
+    for kind in ("plain", "speculative"):
+        entry = noise.get(kind) or {}
+        scales = {int(b): math.log(float(v["scale"])) for b, v in (entry.get("scale_by_batch") or {}).items()}
+        residuals: list[float] = []
+        for telemetry_seq, model in zip(runs, model_of, strict=True):
+            for telemetry in telemetry_seq:
+                steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
+                for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
+                    rows = round(batch)
+                    if (("plain" if k == "plain" else "speculative") != kind or steps < min_steps
+                            or abs(batch - rows) > batch_tolerance or rows not in scales):
+                        continue
+                    residuals.append(math.log(ms / (fixed + per_row * batch)) - scales[rows])
+        if not residuals:
+            out[kind] = {"windows": 0}
+            continue
+        offset = statistics.fmean(residuals)
+        sd = float((entry.get("run_offset") or {}).get("sd") or math.nan)
+        out[kind] = {"windows": len(residuals), "offset": round(offset, 4),
+                     "z": round(offset / sd, 2) if sd > 0 else None}
+    return out
+
+
 def report_prompt_tokens(ticks_path: str, default: float) -> float:
     """Mean prompt tokens of the requests of the report a ``--ticks`` file names (``default`` where it names none or
     the report is not there)."""
@@ -308,8 +342,17 @@ def main(argv: list[str] | None = None) -> int:
                     "step drift models it: run offset, shape by batch, drift and jitter (plain and speculative steps)")
     ap.add_argument("--prompt-tokens", type=float, default=40.0, help="--noise: a run's prompt length where its "
                     "ticks file names no report to read it from (load.py's default prompts are 35-41 tokens)")
+    ap.add_argument("--against", default=None, metavar="NOISE", help="also each file's steps off the simulated machine "
+                    "a --noise report describes (its shape by batch): the mean log offset and its z in the machine's "
+                    "spread of a run's offset; is the live machine the one the simulator runs?")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    machine: Mapping[str, Any] | None = None
+    if args.against:
+        try:
+            machine = json.loads(Path(args.against).read_text())["noise"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"step_ratios: --against {args.against}: {exc}") from None
     default_model = OperatingModel.load(DEFAULT_MODEL_PATH)
     out: dict[str, Any] = {"benchmark": "step_ratios", "command": " ".join([sys.executable, *sys.argv]),
                            "files": {}}
@@ -323,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"step_ratios: {exc}") from None
         prompt = report_prompt_tokens(path, args.prompt_tokens) if args.noise else args.prompt_tokens
         cells: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        first_run = len(runs)
         for history in histories.values():
             span = last_policy_span(history)
             model = span.operating_model or default_model
@@ -338,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                    for b, v in sorted(by_batch.items())}
             for kind, by_batch in sorted(cells.items())
         }
+        if machine is not None:
+            out.setdefault("against", {"noise": args.against, "files": {}})["files"][path] = machine_offsets(
+                runs[first_run:], models[first_run:], machine)
     if args.fits:
         out["fit_errors"] = {name: {group: _error_summary(e) for group, e in sorted(groups.items())}
                              for name, groups in fit_errors(runs, models).items()}

@@ -204,3 +204,32 @@ def test_noise_reads_the_prompt_length_from_the_report_the_ticks_file_names(tmp_
     assert main([str(path), "--noise", "--out", str(out)]) == 0
     noise = json.loads(out.read_text())["noise"]
     assert set(noise) == {"plain", "speculative", "prefill"} and "windows" in noise["prefill"], noise
+
+
+def test_offsets_against_a_machine_read_how_far_the_runs_sit_from_it(tmp_path: Path) -> None:
+    """--against: windows of a machine whose plain steps run 1.1-1.3x the profile by batch sit at offset 0 from that
+    machine, at -log 1.2 from one 1.2x slower at every batch, in z its run spread; a file is read by name."""
+    from benchmarks.step_ratios import machine_offsets
+
+    shape = [1.1, 1.3, 1.25, 1.15]
+    windows, model = _noisy_windows({"plain_step_scale_by_batch": shape}, 5, duration_s=900.0)
+
+    def machine(factor: float) -> dict[str, object]:
+        return {"plain": {"scale_by_batch": {str(b + 1): {"scale": factor * s} for b, s in enumerate(shape)},
+                          "run_offset": {"mean": 0.0, "sd": 0.05}}}
+
+    same = machine_offsets([windows], [model], machine(1.0))
+    assert same["plain"]["windows"] > 200 and same["plain"]["offset"] == pytest.approx(0.0, abs=0.005), same
+    slower = machine_offsets([windows], [model], machine(1.2))["plain"]
+    assert slower["offset"] == pytest.approx(-math.log(1.2), abs=0.005)
+    assert slower["z"] == pytest.approx(slower["offset"] / 0.05, abs=0.01)
+    assert same["speculative"] == {"windows": 0}  # no speculative steps, no scale for them
+
+    path = _simulated_ticks(tmp_path)
+    noise, out = tmp_path / "noise.json", tmp_path / "out.json"
+    noise.write_text(json.dumps({"noise": machine(1.0)}))
+    assert main([str(path), "--against", str(noise), "--out", str(out)]) == 0
+    against = json.loads(out.read_text())["against"]
+    assert against["noise"] == str(noise) and set(against["files"][str(path)]) == {"plain", "speculative"}
+    with pytest.raises(SystemExit, match="--against"):
+        main([str(path), "--against", str(tmp_path / "missing.json")])

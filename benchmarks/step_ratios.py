@@ -148,6 +148,27 @@ def first_speculative_errors(runs: list[list[Mapping[str, Any]]], model_of: list
     return errors
 
 
+def noise_windows(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str, min_steps: int,
+                  batch_tolerance: float) -> tuple[list[tuple[int, Mapping[str, Any], int, float, float]], int]:
+    """The windows the machine's noise is read from (see :func:`step_noise`), for one ``kind`` ("plain" or
+    "speculative"): (run index, telemetry, whole batch, log(measured / modelled), steps) for each window of
+    ``min_steps`` steps or more of that kind whose mean batch is within ``batch_tolerance`` of a whole number, and
+    how many windows were left out for a mixed batch."""
+    read: list[tuple[int, Mapping[str, Any], int, float, float]] = []
+    mixed_batches = 0
+    for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
+        for telemetry in telemetry_seq:
+            steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
+            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
+                if ("plain" if k == "plain" else "speculative") != kind or steps < min_steps:
+                    continue
+                if abs(batch - round(batch)) > batch_tolerance:
+                    mixed_batches += 1
+                    continue
+                read.append((run, telemetry, max(1, round(batch)), math.log(ms / (fixed + per_row * batch)), steps))
+    return read, mixed_batches
+
+
 def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str = "plain",
                passes: int = 5, max_lag: int = 5, min_steps: int = 4, batch_tolerance: float = 0.1) -> dict[str, Any]:
     """How a live machine's steps depart from the model, in the simulator's terms (``LatencyModel``'s step drift):
@@ -170,23 +191,10 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     windows whose mean batch is more than ``batch_tolerance`` from a whole number: the model is read at the mean
     batch, and a window that mixes, say, two and four rows would put the table's curvature (the 58 -> 86 ms jump
     between three and four rows) into the shape at three."""
-    rows: list[tuple[int, float, int, float, float]] = []  # (run, time_s, batch, log ratio, steps)
-    windows: list[float] = []
-    mixed_batches = 0
-    for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
-        for telemetry in telemetry_seq:
-            steps_of = {"plain": float((telemetry.get("plain_steps") or {}).get("steps") or 0),
-                        "speculative": float((telemetry.get("speculative_steps") or {}).get("steps") or 0)}
-            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
-                part = "plain" if k == "plain" else "speculative"
-                if part != kind or steps_of[part] < min_steps:
-                    continue
-                if abs(batch - round(batch)) > batch_tolerance:
-                    mixed_batches += 1
-                    continue
-                windows.append(float(telemetry.get("window_s", math.nan)))
-                rows.append((run, float(telemetry.get("time_s", math.nan)), max(1, round(batch)),
-                             math.log(ms / (fixed + per_row * batch)), steps_of[part]))
+    read, mixed_batches = noise_windows(runs, model_of, kind, min_steps, batch_tolerance)
+    rows = [(run, float(telemetry.get("time_s", math.nan)), batch, log_ratio, steps)
+            for run, telemetry, batch, log_ratio, steps in read]  # (run, time_s, batch, log ratio, steps)
+    windows = [float(telemetry.get("window_s", math.nan)) for _, telemetry, _, _, _ in read]
     if len(rows) < 10:
         return {"windows": len(rows), "mixed_batch_windows": mixed_batches}
     run_idx = np.array([r[0] for r in rows])
@@ -292,16 +300,8 @@ def machine_offsets(runs: list[list[Mapping[str, Any]]], model_of: list[Operatin
     for kind in ("plain", "speculative"):
         entry = noise.get(kind) or {}
         scales = {int(b): math.log(float(v["scale"])) for b, v in (entry.get("scale_by_batch") or {}).items()}
-        residuals: list[float] = []
-        for telemetry_seq, model in zip(runs, model_of, strict=True):
-            for telemetry in telemetry_seq:
-                steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
-                for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
-                    rows = round(batch)
-                    if (("plain" if k == "plain" else "speculative") != kind or steps < min_steps
-                            or abs(batch - rows) > batch_tolerance or rows not in scales):
-                        continue
-                    residuals.append(math.log(ms / (fixed + per_row * batch)) - scales[rows])
+        read, _ = noise_windows(runs, model_of, kind, min_steps, batch_tolerance)
+        residuals = [log_ratio - scales[batch] for _, _, batch, log_ratio, _ in read if batch in scales]
         if not residuals:
             out[kind] = {"windows": 0}
             continue

@@ -319,7 +319,8 @@ def report_prompt_tokens(ticks_path: str, default: float) -> float:
         p = Path(ticks_path)
         raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
         report = json.loads(Path(json.loads(raw)["report"]).read_text())
-        prompts = [float(r["prompt_tokens"]) for run in report["runs"] for r in run["records"] if r.get("prompt_tokens")]
+        prompts = [float(r["prompt_tokens"]) for run in report["runs"] for r in run["records"]
+                   if r.get("prompt_tokens")]
     except (OSError, ValueError, KeyError, TypeError):
         return default
     return statistics.fmean(prompts) if prompts else default

@@ -29,12 +29,13 @@ def corrected_step_line(fixed_ms: np.ndarray | float, per_row_ms: np.ndarray | f
                         per_row_factor: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
     """The modelled step's line ``fixed_ms + per_row_ms · B`` corrected by a fit's two factors: ``(fixed_ms ·
     fixed_factor, per_row_ms · per_row_factor)``, except where ``fixed_ms`` < 0, which takes the per-row factor for
-    both parts, and where ``per_row_ms`` < 0 (a falling segment), which takes the fixed factor for both. Why: a plain
-    step read from a measured table is the segment through its two neighbouring batches, and a steep one has a
-    negative intercept (the default pair: 58 ms at three rows, 86 at four, so -25 ms + 27.7 ms per row). That intercept is no fixed cost: scaled by a larger factor than the per-row part it drove the
-    corrected step below zero on noisy fits (per-row share s = P·B / (F + P·B) above 1, the line read past s = 1).
-    The share is a fraction; at s >= 1 the line's value is its per-row factor, so the whole segment takes it; at
-    s <= 0 (a negative per-row part) its fixed factor (and :meth:`StepCorrection.observe` clips s to [0, 1] alike)."""
+    both parts, and where ``per_row_ms`` < 0 (a falling segment), which takes the fixed factor for both. Why: a
+    plain step read from a measured table is the segment through its two neighbouring batches, and a steep one has a
+    negative intercept (the default pair: 58 ms at three rows, 86 at four, so -25 ms + 27.7 ms per row). That
+    intercept is no fixed cost: scaled by a larger factor than the per-row part it drove the corrected step below
+    zero on noisy fits (per-row share s = P·B / (F + P·B) above 1, the line read past s = 1). The share is a
+    fraction; at s >= 1 the line's value is its per-row factor, so the whole segment takes it; at s <= 0 (a negative
+    per-row part) its fixed factor (and :meth:`StepCorrection.observe` clips s to [0, 1] alike)."""
     fixed = np.asarray(fixed_ms, dtype=float)
     per_row = np.asarray(per_row_ms, dtype=float)
     return (fixed * np.where(fixed < 0, per_row_factor, fixed_factor),

@@ -189,7 +189,8 @@ def test_noise_reads_the_prompt_length_from_the_report_the_ticks_file_names(tmp_
     from benchmarks.step_ratios import report_prompt_tokens
 
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"runs": [{"records": [{"prompt_tokens": 36}, {"prompt_tokens": 40}, {"status": 503}]}]}))
+    records = [{"prompt_tokens": 36}, {"prompt_tokens": 40}, {"status": 503}]
+    report.write_text(json.dumps({"runs": [{"records": records}]}))
     named = tmp_path / "named_ticks.json.gz"
     named.write_bytes(gzip.compress(json.dumps({"report": str(report), "runs": []}).encode()))
     bare = tmp_path / "bare_ticks.json"

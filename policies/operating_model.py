@@ -37,6 +37,10 @@ class OperatingPoint:
     #: Tokens per step at an engine batch of 1, 2, … rows (``()``: the same at every batch; beyond the
     #: last entry, the last). ``tokens_per_step`` is the batch the acceptance was measured at.
     tokens_per_step_by_batch: tuple[float, ...] = ()
+    #: Tokens per step of the request at each of the model's :attr:`OperatingModel.request_quantiles` of
+    #: per-request acceptance (hardest first; ``()``: no per-request spread modelled). A request's TPOT is its own
+    #: mean over its life: a tier's attainment is decided by its hard requests, not by the mean one.
+    tokens_per_step_by_quantile: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.threshold) and self.threshold >= 0):
@@ -48,6 +52,11 @@ class OperatingPoint:
                 raise ValueError(f"tokens_per_step must be in [1, k + 1], got {tokens} at k={self.k}")
         if not (math.isfinite(self.mean_distortion) and self.mean_distortion >= 0):
             raise ValueError(f"mean_distortion must be finite and >= 0, got {self.mean_distortion}")
+        q = self.tokens_per_step_by_quantile
+        if any(not (math.isfinite(t) and 1.0 <= t <= self.k + 1 + 1e-9) for t in q):
+            raise ValueError(f"tokens_per_step_by_quantile must be in [1, k + 1], got {list(q)} at k={self.k}")
+        if any(b < a - 1e-9 for a, b in zip(q, q[1:], strict=False)):
+            raise ValueError(f"tokens_per_step_by_quantile must not fall from hard to easy requests, got {list(q)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +144,9 @@ class OperatingModel:
     points: tuple[OperatingPoint, ...]
     cost: StepCost
     source: str = ""
+    #: Quantiles of per-request acceptance (ascending, in (0, 1)) the points' ``tokens_per_step_by_quantile``
+    #: are at (``()``: none).
+    request_quantiles: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not any(p.k == 0 for p in self.points):
@@ -144,6 +156,28 @@ class OperatingModel:
         lengths = {len(p.tokens_per_step_by_batch) for p in self.points if p.k > 0}
         if len(lengths) > 1:
             raise ValueError(f"points: tokens_per_step_by_batch must have one length for every k > 0 point, got {sorted(lengths)}")
+        rq = self.request_quantiles
+        if any(not (0.0 < q < 1.0) for q in rq) or any(b <= a for a, b in zip(rq, rq[1:], strict=False)):
+            raise ValueError(f"request_quantiles must ascend inside (0, 1), got {list(rq)}")
+        for p in self.points:
+            if p.tokens_per_step_by_quantile and len(p.tokens_per_step_by_quantile) != len(rq):
+                raise ValueError(f"points: tokens_per_step_by_quantile has {len(p.tokens_per_step_by_quantile)} "
+                                 f"entries at T={p.threshold}, k={p.k}; request_quantiles has {len(rq)}")
+
+    def hard_curve(self, k: int, quantile: float) -> np.ndarray | None:
+        """Tokens per step of the request at ``quantile`` of per-request acceptance, per T point of ``k``
+        (sorted by T, as :meth:`curve`): linear in the quantile between the model's, held beyond them. None
+        where the model has no per-request spread (or a point of ``k`` lacks it)."""
+        if not (0.0 < quantile < 1.0):
+            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        pts = sorted((p for p in self.points if p.k == k), key=lambda p: p.threshold)
+        if not pts:
+            raise ValueError(f"k={k} is not in the model; known: {self.draft_lengths}")
+        if k == 0:
+            return np.ones(len(pts))
+        if not self.request_quantiles or any(not p.tokens_per_step_by_quantile for p in pts):
+            return None
+        return np.array([np.interp(quantile, self.request_quantiles, p.tokens_per_step_by_quantile) for p in pts])
 
     @property
     def batch_sizes(self) -> int:
@@ -184,23 +218,32 @@ class OperatingModel:
                 del d["tokens_per_step_by_batch"]  # the files of models without batch dependence stay as they were
             else:
                 d["tokens_per_step_by_batch"] = list(p.tokens_per_step_by_batch)
+            if not p.tokens_per_step_by_quantile:
+                del d["tokens_per_step_by_quantile"]
+            else:
+                d["tokens_per_step_by_quantile"] = list(p.tokens_per_step_by_quantile)
             points.append(d)
         cost = asdict(self.cost)
         if self.cost.plain_ms_by_batch:
             cost["plain_ms_by_batch"] = list(self.cost.plain_ms_by_batch)
         else:
             del cost["plain_ms_by_batch"]  # models without a measured plain-step table stay as they were
-        return {"source": self.source, "cost": cost, "points": points}
+        out: dict[str, Any] = {"source": self.source, "cost": cost, "points": points}
+        if self.request_quantiles:
+            out["request_quantiles"] = list(self.request_quantiles)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OperatingModel:
         try:
             return cls(
-                points=tuple(OperatingPoint(**{**p, "tokens_per_step_by_batch": tuple(p.get("tokens_per_step_by_batch", ()))})
+                points=tuple(OperatingPoint(**{**p, "tokens_per_step_by_batch": tuple(p.get("tokens_per_step_by_batch", ())),
+                                                "tokens_per_step_by_quantile": tuple(p.get("tokens_per_step_by_quantile", ()))})
                              for p in data["points"]),
                 cost=StepCost(**{**data["cost"],
                                  "plain_ms_by_batch": tuple(data["cost"].get("plain_ms_by_batch", ()))}),
                 source=str(data.get("source", "")),
+                request_quantiles=tuple(float(q) for q in data.get("request_quantiles", ())),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"operating model: malformed ({exc})") from None

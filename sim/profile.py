@@ -393,6 +393,16 @@ class RequestAcceptance(BaseModel):
                 high = mid
         return math.exp(0.5 * (low + high))
 
+    def odds_scale_at(self, quantile: float) -> float:
+        """The odds multiplier ``a / (1 − a)`` of the request at ``quantile`` of ``a`` (hardest first)."""
+        from scipy.special import betaincinv
+
+        if not (0.0 < quantile < 1.0):
+            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        half = self.concentration / 2.0
+        a = min(max(float(betaincinv(half, half, quantile)), 1e-12), 1.0 - 1e-12)
+        return a / (1.0 - a)
+
     def draw_odds_scales(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """[n] per-request odds multipliers ``a / (1 − a)`` (= exp of the log-odds shift)."""
         half = self.concentration / 2.0
@@ -652,6 +662,17 @@ class Profile(BaseModel):
     def _centring_cache(self) -> dict[tuple[str, float, int, float], float]:
         return {}
 
+    def tokens_per_iter_at_request_quantile(self, div: str, threshold: float, k: int, quantile: float) -> float:
+        """Expected tokens per step of the request at ``quantile`` of per-request acceptance (hardest first;
+        :class:`RequestAcceptance`): its odds shift and the centring applied to every position. The mean
+        request's (:meth:`expected_tokens_per_iter`) without per-request variation or at k = 0."""
+        variation = self.request_acceptance
+        if variation is None or k == 0:
+            return self.expected_tokens_per_iter(div, threshold, k)
+        odds = variation.odds_scale_at(quantile) * self.request_odds_centring(div, threshold, k)
+        accept = shifted_acceptance(self.position_accept(div, threshold, k), odds)
+        return 1.0 + float(np.cumprod(accept).sum())
+
     def survival(self, div: str, threshold: float, k: int, batch: float | None = None) -> np.ndarray:
         """``S[i]`` = P(at least i+1 drafts accepted) = prod_{j<=i} position_accept[j]; length k."""
         return np.cumprod(self.position_accept(div, threshold, k, batch))
@@ -730,13 +751,21 @@ class Profile(BaseModel):
         )
 
 
+#: The per-request acceptance quantiles an operating model carries tokens per step at (hardest first): a tier's
+#: attainment target of a reads the request at 1 − a (0.95: the 5 % hardest).
+REQUEST_QUANTILES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
 def to_operating_model(profile: Profile, div: str | None = None, source: str = "") -> OperatingModel:
     """The model-predictive policy's plain-data model: (T, k) points of ``div`` (k = 0 included) and the
     step cost. Lives beside :class:`Profile` so the policies package never imports the simulator."""
     from policies.operating_model import OperatingModel, OperatingPoint, StepCost
 
     div = div or profile.default_div
-    points = [OperatingPoint(threshold=0.0, k=0, tokens_per_step=1.0, mean_distortion=0.0)]
+    # Per-request spread (hard requests' tokens per step) where the profile measured one.
+    quantiles = REQUEST_QUANTILES if profile.request_acceptance is not None else ()
+    points = [OperatingPoint(threshold=0.0, k=0, tokens_per_step=1.0, mean_distortion=0.0,
+                             tokens_per_step_by_quantile=(1.0,) * len(quantiles))]
     # With batch dependence: tokens per step at 1 .. the largest measured batch (held beyond it).
     batches = range(1, max(profile.batch_acceptance.odds_scale) + 1) if profile.batch_acceptance else range(0)
     for k in profile.draft_lengths(div):
@@ -746,6 +775,8 @@ def to_operating_model(profile: Profile, div: str | None = None, source: str = "
                 tokens_per_step=profile.expected_tokens_per_iter(div, float(t), k),
                 mean_distortion=profile.mean_distortion(div, float(t), k),
                 tokens_per_step_by_batch=tuple(profile.expected_tokens_per_iter(div, float(t), k, b) for b in batches),
+                tokens_per_step_by_quantile=tuple(
+                    profile.tokens_per_iter_at_request_quantile(div, float(t), k, q) for q in quantiles),
             ))
     lat = profile.latency
     plain_a, plain_b = lat.plain_coeffs()
@@ -757,7 +788,8 @@ def to_operating_model(profile: Profile, div: str | None = None, source: str = "
         plain_ms_by_batch=tuple(lat.plain_step_ms_by_batch or ()),
     )
     return OperatingModel(points=tuple(points), cost=cost,
-                          source=source or f"{profile.provenance.pair} (div {div}; k = 0 {profile.plain_decoding_source})")
+                          source=source or f"{profile.provenance.pair} (div {div}; k = 0 {profile.plain_decoding_source})",
+                          request_quantiles=quantiles)
 
 
 def _check_threshold(threshold: float) -> None:

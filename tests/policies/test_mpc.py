@@ -1233,3 +1233,96 @@ def test_draft_prior_plain_predicts_unmeasured_speculative_steps_at_the_plain_co
     assert plain._step_correction(np.array([2]))[0][0] == pytest.approx(0.9, rel=0.02)
     with pytest.raises(ValueError, match="draft_prior must be 'model' or 'plain', got 'both'"):
         ModelPredictivePolicy(make_slo(), toy_model(), draft_prior="both")
+
+
+def _spread_model(hard_share_at_low_t: float) -> OperatingModel:
+    """The toy model with per-request spread: the request at each quantile drafts ``share`` of the mean
+    request's accepted drafts, ``hard_share_at_low_t`` at T = 0 rising to 1 at T = 1 (a high T accepts
+    every draft whatever the request; the profile's shape)."""
+    base = toy_model()
+    quantiles = (0.05, 0.5)
+    points = []
+    for p in base.points:
+        if p.k == 0:
+            points.append(OperatingPoint(p.threshold, 0, 1.0, 0.0, tokens_per_step_by_quantile=(1.0, 1.0)))
+            continue
+        share = min(hard_share_at_low_t + (1.0 - hard_share_at_low_t) * p.threshold, 1.0)
+        hard = 1.0 + (p.tokens_per_step - 1.0) * share
+        points.append(OperatingPoint(p.threshold, p.k, p.tokens_per_step, p.mean_distortion,
+                                     tokens_per_step_by_quantile=(hard, p.tokens_per_step)))
+    return OperatingModel(tuple(points), base.cost, source="toy with spread", request_quantiles=quantiles)
+
+
+def test_spread_model_roundtrips_and_rejects_what_it_cannot_read() -> None:
+    model = _spread_model(0.4)
+    assert OperatingModel.from_dict(model.to_dict()) == model
+    assert "request_quantiles" not in toy_model().to_dict()
+    assert "tokens_per_step_by_quantile" not in toy_model().to_dict()["points"][1]
+    with pytest.raises(ValueError, match="ascend"):
+        OperatingModel(model.points, model.cost, request_quantiles=(0.5, 0.05))
+    with pytest.raises(ValueError, match="request_quantiles has 3"):
+        OperatingModel(model.points, model.cost, request_quantiles=(0.01, 0.05, 0.5))
+    with pytest.raises(ValueError, match="must not fall"):
+        OperatingPoint(0.5, 2, 2.5, 0.04, tokens_per_step_by_quantile=(2.5, 2.0))
+    with pytest.raises(ValueError, match=r"\[1, k \+ 1\]"):
+        OperatingPoint(0.5, 2, 2.5, 0.04, tokens_per_step_by_quantile=(0.5, 2.5))
+    with pytest.raises(ValueError, match="quantile must be in"):
+        model.hard_curve(2, 1.0)
+    # Between the model's quantiles: linear; beyond them: held.
+    t, mean, _ = model.curve(4)
+    hard = model.hard_curve(4, 0.05)
+    assert hard is not None and (hard <= mean + 1e-12).all() and hard[0] < mean[0]
+    assert model.hard_curve(4, 0.275) == pytest.approx((hard + mean) / 2)
+    assert model.hard_curve(4, 0.01) == pytest.approx(hard)
+    assert toy_model().hard_curve(4, 0.05) is None
+    assert (model.hard_curve(0, 0.05) == 1.0).all()
+
+
+def test_hard_requests_plan_for_the_request_at_the_attainment_quantile() -> None:
+    """A mean request meets the TPOT target at a low T where the hard requests (a 95 % target: the 5 % least
+    accepted) draft at 40 % of its accepted tokens. Planned for the mean request the policy stops at that low T;
+    with ``hard_requests`` (the default) it goes to the T where the hard request meets too: its planned step over the hard
+    request's tokens is within the target (margin included), the mean-only choice's is not."""
+    model = _spread_model(0.4)
+    slo = make_slo(standard={"tpot_ms": 80.0})
+    t = load(4, arrivals=0)
+    mean_only = ModelPredictivePolicy(slo, model, hard_requests=False)
+    hard = ModelPredictivePolicy(slo, model)  # the default
+    a, b = mean_only.decide(t), hard.decide(t)
+    assert a.reason.startswith("mpc meets") and b.reason.startswith("mpc meets"), (a.reason, b.reason)
+
+    def hard_step_ratio(policy: ModelPredictivePolicy, decision: Decision) -> float:
+        """margin × step / the hard request's tokens, over the target (the TPOT without the catch-up)."""
+        th, k = decision.thresholds["standard"], decision.draft_lengths["standard"]
+        grid_t = model.curve(k)[0]
+        hard_curve = model.hard_curve(k, 0.05)
+        assert hard_curve is not None
+        pred = policy.last_prediction["standard"]
+        return pred["margin"] * pred["step_ms"] / float(np.interp(th, grid_t, hard_curve)) / 80.0
+
+    assert b.thresholds["standard"] > a.thresholds["standard"] > 0.0, (a.reason, b.reason)
+    assert a.draft_lengths["standard"] > 0 and b.draft_lengths["standard"] > 0
+    assert hard_step_ratio(hard, b) <= 1.0 + 1e-9 < hard_step_ratio(mean_only, a), (a.reason, b.reason)
+
+
+def test_where_hard_requests_draft_slower_than_plain_decoding_plain_decoding_is_planned() -> None:
+    """At T = 0 (lossless) the mean request gains from drafting; a hard one drafts at 40 % of its accepted
+    tokens, slower per token than plain decoding. With ``hard_requests`` the lossless choice is plain decoding."""
+    model = _spread_model(0.4)
+    slo = make_slo(standard={"tpot_ms": 100.0})
+    t = load(4, arrivals=0)
+    a = ModelPredictivePolicy(slo, model, hard_requests=False).decide(t)
+    b = ModelPredictivePolicy(slo, model).decide(t)
+    assert (a.thresholds["standard"], b.thresholds["standard"]) == (0.0, 0.0), (a.reason, b.reason)
+    assert a.draft_lengths["standard"] > 0 and b.draft_lengths["standard"] == 0, (a.reason, b.reason)
+
+
+def test_hard_requests_without_a_spread_in_the_model_decide_as_the_mean_request() -> None:
+    slo = make_slo()
+    a = ModelPredictivePolicy(slo, toy_model(), hard_requests=False)
+    b = ModelPredictivePolicy(slo, toy_model())
+    c = ModelPredictivePolicy(slo, _spread_model(1.0))  # hard requests as the mean one
+    for tick, (in_flight, arrivals) in enumerate(((1, 0), (4, 1), (8, 2), (8, 4), (2, 1))):
+        t = load(in_flight, arrivals=arrivals, time_s=float(tick + 1))
+        da = a.decide(t)
+        assert da == b.decide(t) == c.decide(t)

@@ -199,3 +199,26 @@ def test_fit_about_expected_rates_leaves_out_saturated_requests_and_refuses_bad_
         fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5, 0.5, 0.9, 0.9, float("nan")])
     with pytest.raises(ValueError, match="shape"):
         fit_request_acceptance(accepted, drafted, expected=[0.5, 0.5])
+
+
+def test_tokens_at_a_request_quantile_keep_the_pooled_mean_and_match_the_simulated_requests() -> None:
+    """What the operating model carries (``Profile.tokens_per_iter_at_request_quantile``, ``to_operating_model``):
+    over the quantiles' mid-points the requests' tokens per step pool (harmonically) to the profile's own; the
+    simulated requests' 5 % and 50 % quantiles of tokens per step are the model's at 0.05 and 0.5."""
+    profile = _with_variation(4.0)
+    nodes = (np.arange(400) + 0.5) / 400
+    tokens = np.array([profile.tokens_per_iter_at_request_quantile("kl", THRESHOLD, K, q) for q in nodes])
+    assert (np.diff(tokens) >= 0).all()
+    pooled = 1.0 / float(np.mean(1.0 / tokens))
+    assert pooled == pytest.approx(profile.expected_tokens_per_iter("kl", THRESHOLD, K), rel=2e-3)
+    _, measured, _ = _run(4.0)
+    for q in (0.05, 0.5):
+        model = profile.tokens_per_iter_at_request_quantile("kl", THRESHOLD, K, q)
+        assert float(np.quantile(measured, q)) == pytest.approx(model, rel=0.05), q
+    # Without variation (or at k = 0) every request is the mean one.
+    plain = _with_variation(None)
+    assert plain.tokens_per_iter_at_request_quantile("kl", THRESHOLD, K, 0.05) == plain.expected_tokens_per_iter(
+        "kl", THRESHOLD, K)
+    model = profile.to_operating_model()
+    assert model.request_quantiles and all(p.tokens_per_step_by_quantile for p in model.points)
+    assert not plain.to_operating_model().request_quantiles

@@ -250,8 +250,11 @@ class ModelPredictivePolicy:
       acceptance meets it (the operating model's ``tokens_per_step_by_quantile``, from the profile's measured
       spread κ), not where the mean request does: every request's TPOT is its own mean, and at a low T the hardest
       5 % draft at 60 % of the mean's tokens (T = 0, k = 6 on the default pair: 2.9 against 4.5), so a point the
-      mean request meets at can miss the tier's p95. Session 40, on the simulated live machine: +1.4 to +2.0 points
-      of attainment over three sets of 60 seeds; no effect where the model has no spread (the hand-made profile).
+      mean request meets at can miss the tier's p95. Off by default: on the simulated live machine it gained 1.4 to
+      2.0 points of attainment over three sets of 60 seeds, but that machine's per-request spread is the very κ it
+      reads; live it lost both seeds it ran on (67, 68: −0.038 and −0.069 against the mean request), and the live
+      requests' spread is narrower than κ's at T = 0 and wider at T ≥ 1 (session 40). No effect where the model has
+      no spread (the hand-made profile).
     """
 
     name = "mpc"
@@ -294,7 +297,7 @@ class ModelPredictivePolicy:
         step_fit: str = "line",
         relax_delay_s: float = 4.0,
         stall_windows: int = 0,
-        hard_requests: bool = True,
+        hard_requests: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")

@@ -155,9 +155,9 @@ class MPCParams(_Params):
                                  "default before session 34)")
     stall_windows: int = Field(0, ge=0, description="plan the joiners' prefill stall at no less than the share of "
                                "replica time the last this many windows spent prefilling (0: off)")
-    hard_requests: bool = Field(True, description="a TPOT target is met where the request at the tier's attainment "
+    hard_requests: bool = Field(False, description="a TPOT target is met where the request at the tier's attainment "
                                 "quantile of acceptance meets it (the model's per-request spread), not the mean request "
-                                "(false: the mean request, the default before session 40)")
+                                "(session 40: the default for live seeds 67-68, then off)")
 
 
 class QualityParams(_Params):
@@ -254,7 +254,7 @@ _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Pol
 #: that does what it did. A resolved spec (every parameter written out, ``resolve_spec``) recorded before one of them
 #: existed lacks it; filled with this value, it rebuilds the policy that ran (``sim.decision_replay``).
 ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {
-    "mpc": {"relax_delay_s": 0.0, "hard_requests": False},  # session 34: default 4 s; session 40: hard requests
+    "mpc": {"relax_delay_s": 0.0},  # session 34: default 4 s
 }
 
 #: Names ``make_policy`` accepts.

@@ -1281,13 +1281,13 @@ def test_spread_model_roundtrips_and_rejects_what_it_cannot_read() -> None:
 def test_hard_requests_plan_for_the_request_at_the_attainment_quantile() -> None:
     """A mean request meets the TPOT target at a low T where the hard requests (a 95 % target: the 5 % least
     accepted) draft at 40 % of its accepted tokens. Planned for the mean request the policy stops at that low T;
-    with ``hard_requests`` (the default) it goes to the T where the hard request meets too: its planned step over the hard
+    with ``hard_requests`` it goes to the T where the hard request meets too: its planned step over the hard
     request's tokens is within the target (margin included), the mean-only choice's is not."""
     model = _spread_model(0.4)
     slo = make_slo(standard={"tpot_ms": 80.0})
     t = load(4, arrivals=0)
-    mean_only = ModelPredictivePolicy(slo, model, hard_requests=False)
-    hard = ModelPredictivePolicy(slo, model)  # the default
+    mean_only = ModelPredictivePolicy(slo, model)  # the default
+    hard = ModelPredictivePolicy(slo, model, hard_requests=True)
     a, b = mean_only.decide(t), hard.decide(t)
     assert a.reason.startswith("mpc meets") and b.reason.startswith("mpc meets"), (a.reason, b.reason)
 
@@ -1311,17 +1311,17 @@ def test_where_hard_requests_draft_slower_than_plain_decoding_plain_decoding_is_
     model = _spread_model(0.4)
     slo = make_slo(standard={"tpot_ms": 100.0})
     t = load(4, arrivals=0)
-    a = ModelPredictivePolicy(slo, model, hard_requests=False).decide(t)
-    b = ModelPredictivePolicy(slo, model).decide(t)
+    a = ModelPredictivePolicy(slo, model).decide(t)
+    b = ModelPredictivePolicy(slo, model, hard_requests=True).decide(t)
     assert (a.thresholds["standard"], b.thresholds["standard"]) == (0.0, 0.0), (a.reason, b.reason)
     assert a.draft_lengths["standard"] > 0 and b.draft_lengths["standard"] == 0, (a.reason, b.reason)
 
 
 def test_hard_requests_without_a_spread_in_the_model_decide_as_the_mean_request() -> None:
     slo = make_slo()
-    a = ModelPredictivePolicy(slo, toy_model(), hard_requests=False)
-    b = ModelPredictivePolicy(slo, toy_model())
-    c = ModelPredictivePolicy(slo, _spread_model(1.0))  # hard requests as the mean one
+    a = ModelPredictivePolicy(slo, toy_model())
+    b = ModelPredictivePolicy(slo, toy_model(), hard_requests=True)
+    c = ModelPredictivePolicy(slo, _spread_model(1.0), hard_requests=True)  # hard requests as the mean one
     for tick, (in_flight, arrivals) in enumerate(((1, 0), (4, 1), (8, 2), (8, 4), (2, 1))):
         t = load(in_flight, arrivals=arrivals, time_s=float(tick + 1))
         da = a.decide(t)

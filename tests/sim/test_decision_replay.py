@@ -50,7 +50,7 @@ def test_a_history_replays_exactly_after_a_default_changed() -> None:
     assert out["differ"] == 0 and out["same"] == len(span.ticks), out["first_differences"]
     del event["resolved_policy"]  # a history from before resolved specs were recorded (and before relax_delay_s)
     as_given = last_policy_span(history)
-    assert as_given.spec == {**resolve_spec({"policy": "slo"}), "relax_delay_s": 0.0, "hard_requests": False}
+    assert as_given.spec == {**resolve_spec({"policy": "slo"}), "relax_delay_s": 0.0}
     assert summary(replay(as_given, build_policy(as_given.spec, slo, model), slo))["differ"] > 0
 
 

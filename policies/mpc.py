@@ -413,16 +413,17 @@ class ModelPredictivePolicy:
         tokens: list[float] = []
         distortion: list[float] = []
         by_batch: list[np.ndarray] = []
-        hard: list[float] | None = [] if self.hard_requests else None
         n_b = self.model.batch_sizes
         lo, hi = (tier.fixed_threshold, tier.fixed_threshold) if tier.fixed_threshold is not None else (
             tier.min_threshold, tier.max_threshold)
+        # With hard_requests, each k's tokens per step of the request at the tier's attainment quantile; none where
+        # the model has no per-request spread (the mean request decides).
         quantile = min(max(1.0 - tier.attainment_target, 1e-3), 0.5)
+        curves = {k: self.model.hard_curve(k, quantile) for k in self.model.draft_lengths} if self.hard_requests else {}
+        hard_curves = {k: c for k, c in curves.items() if c is not None}
+        hard: list[float] | None = [] if curves and len(hard_curves) == len(curves) else None
         for k in self.model.draft_lengths:
             grid_t, grid_n, grid_d = self.model.curve(k)
-            grid_hard = self.model.hard_curve(k, quantile) if hard is not None else None
-            if grid_hard is None:
-                hard = None  # the model has no per-request spread: the mean request decides
             if k == 0:
                 values = [lo]
             else:
@@ -433,11 +434,11 @@ class ModelPredictivePolicy:
                 ks.append(k)
                 tokens.append(float(np.interp(t, grid_t, grid_n)))
                 distortion.append(float(np.interp(t, grid_t, grid_d)))
-                if hard is not None and grid_hard is not None:
+                if hard is not None:
                     # As a share of the mean request's accepted drafts: the online acceptance correction scales both.
                     mean_accepted = tokens[-1] - 1.0
-                    hard.append((float(np.interp(t, grid_t, grid_hard)) - 1.0) / mean_accepted if mean_accepted > 0
-                                else 1.0)
+                    hard_tokens = float(np.interp(t, grid_t, hard_curves[k]))
+                    hard.append((hard_tokens - 1.0) / mean_accepted if mean_accepted > 0 else 1.0)
                 if n_b:
                     curve = self._batch_curves[k]
                     assert curve is not None  # a model with batch sizes has a batch curve at every k
@@ -1158,12 +1159,12 @@ class ModelPredictivePolicy:
                     cap = np.where(use & (cap_rows < self.max_batch), cap_rows, 0).astype(np.int64)
             cost = step / (batch * mean_tokens) * switch  # ms of replica time per output token, switch ranked in
             tpot_ranked = tpot * switch[:, None]
-            tpot_meets = tpot_ranked
-            if u.hard_share is not None:
-                # A target is met where the request at the tier's attainment quantile of acceptance meets it: each
-                # request's TPOT is its own mean, and at low T the hard ones draft at a fraction of the mean's tokens.
-                hard_tokens = 1.0 + (tokens - 1.0) * u.hard_share
-                tpot_meets = ((step / (1.0 - stall))[:, None] / hard_tokens + catch_up[:, None]) * switch[:, None]
+            # The TPOT a target is judged on: the mean request's, or with hard_requests the request's at the tier's
+            # attainment quantile of acceptance (each request's TPOT is its own mean; at low T the hard ones draft at
+            # a fraction of the mean's tokens).
+            tpot_meets = tpot_ranked if u.hard_share is None else (
+                (step / (1.0 - stall))[:, None] / (1.0 + (tokens - 1.0) * u.hard_share) + catch_up[:, None]
+            ) * switch[:, None]
 
             meets = np.ones((n, n_t), dtype=bool)
             # Latency ratios (prediction × margin / target) per tier; their excess over 1 is the violation.
@@ -1175,7 +1176,7 @@ class ModelPredictivePolicy:
                 m = self.margin[name]
                 if tier.tpot_ms is not None:
                     ratio = m * tpot_ranked[:, i] / tier.tpot_ms
-                    meets[:, i] &= (ratio if tpot_meets is tpot_ranked else m * tpot_meets[:, i] / tier.tpot_ms) <= 1.0
+                    meets[:, i] &= (ratio if u.hard_share is None else m * tpot_meets[:, i] / tier.tpot_ms) <= 1.0
                     ratios[i].append(("tpot", ratio))
                 if tier.ttft_ms is not None:
                     ttft = m * wait_and_step + self.prefill_ms[name]

@@ -364,10 +364,13 @@ class RequestAcceptance(BaseModel):
     @cached_property
     def _quadrature_odds(self) -> np.ndarray:
         """Odds ``a / (1 − a)`` at the mid-quantiles of Beta(κ/2, κ/2) (the expectation's nodes)."""
+        return self._odds_at_quantiles((np.arange(_QUADRATURE_NODES) + 0.5) / _QUADRATURE_NODES)
+
+    def _odds_at_quantiles(self, q: np.ndarray) -> np.ndarray:
+        """Odds ``a / (1 − a)`` of the requests at quantiles ``q`` of ``a ~ Beta(κ/2, κ/2)`` (hardest first)."""
         from scipy.special import betaincinv
 
         half = self.concentration / 2.0
-        q = (np.arange(_QUADRATURE_NODES) + 0.5) / _QUADRATURE_NODES
         a = np.clip(betaincinv(half, half, q), 1e-12, 1.0 - 1e-12)
         return np.asarray(a / (1.0 - a), dtype=float)
 
@@ -395,13 +398,9 @@ class RequestAcceptance(BaseModel):
 
     def odds_scale_at(self, quantile: float) -> float:
         """The odds multiplier ``a / (1 − a)`` of the request at ``quantile`` of ``a`` (hardest first)."""
-        from scipy.special import betaincinv
-
         if not (0.0 < quantile < 1.0):
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
-        half = self.concentration / 2.0
-        a = min(max(float(betaincinv(half, half, quantile)), 1e-12), 1.0 - 1e-12)
-        return a / (1.0 - a)
+        return float(self._odds_at_quantiles(np.array([quantile]))[0])
 
     def draw_odds_scales(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """[n] per-request odds multipliers ``a / (1 − a)`` (= exp of the log-odds shift)."""

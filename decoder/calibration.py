@@ -131,7 +131,13 @@ class CalibrationSettings(BaseModel):
     plain_decoding: bool = Field(
         True, description="also time k = 0 (plain target decoding, no draft forward) at every batch size"
     )
-    prompts: int = Field(6, ge=1, le=len(CALIBRATION_PROMPTS), description="prompts per grid point")
+    prompts: int = Field(6, ge=1, description="prompts per grid point (at most the prompt set's size)")
+    prompt_texts: tuple[str, ...] | None = Field(
+        None, description="the acceptance sweep's prompts (None: CALIBRATION_PROMPTS). Acceptance depends on what is "
+        "asked: calibrate on prompts like the traffic served (a profile measured on other prompts mispredicts it)")
+    samples_per_prompt: int = Field(
+        1, ge=1, description="requests per prompt and grid point, each with its own sampling seed (more data from "
+        "a small prompt set)")
     max_new_tokens: int = Field(40, ge=2, description="tokens per acceptance request")
     acceptance_batch_size: int = Field(8, ge=1, description="engine batch of the acceptance sweep")
     timing_iterations: int = Field(6, ge=1, description="timed steps per (k, batch size) after a warm-up")
@@ -184,8 +190,22 @@ class CalibrationSettings(BaseModel):
             out[div] = tuple(sorted({0.0, *map(float, grid)}))
         return out
 
+    @field_validator("prompt_texts")
+    @classmethod
+    def _prompt_texts(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must hold at least one prompt (None: the built-in set)")
+        for i, text in enumerate(v):
+            if not text.strip():
+                raise ValueError(f"prompt {i} is empty")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> CalibrationSettings:
+        if self.prompts > len(self.prompt_set):
+            raise ValueError(f"prompts {self.prompts} exceeds the prompt set's {len(self.prompt_set)} prompts")
         for div in self.divs:
             if div not in self.thresholds:
                 raise ValueError(f"thresholds: no T grid for divergence {div!r}")
@@ -194,6 +214,11 @@ class CalibrationSettings(BaseModel):
         if self.default_k is not None and self.default_k not in self.swept_acceptance_ks:
             raise ValueError(f"default_k {self.default_k} is not among the acceptance ks {self.swept_acceptance_ks}")
         return self
+
+    @property
+    def prompt_set(self) -> tuple[str, ...]:
+        """The prompts the acceptance sweep draws its first ``prompts`` from."""
+        return CALIBRATION_PROMPTS if self.prompt_texts is None else self.prompt_texts
 
     @property
     def swept_acceptance_ks(self) -> tuple[int, ...]:
@@ -432,7 +457,7 @@ def _params(settings: CalibrationSettings, max_new_tokens: int, seed: int, ignor
 
 
 def _prompt_ids(pair: ModelPair, settings: CalibrationSettings) -> list[list[int]]:
-    ids = [pair.encode_prompt(p) for p in CALIBRATION_PROMPTS[: settings.prompts]]
+    ids = [pair.encode_prompt(p) for p in settings.prompt_set[: settings.prompts]]
     room = pair.max_context - settings.max_new_tokens
     if room < 2:
         raise ValueError(f"max_new_tokens {settings.max_new_tokens} leaves no room in the pair's context")
@@ -455,7 +480,9 @@ def measure_acceptance(
     """Run the (div × k × T × prompt) sweep through the engine's step API; raw counts per grid point."""
     prompts = _prompt_ids(pair, settings)
     ks = settings.swept_acceptance_ks
-    total = sum(len(settings.thresholds[d]) for d in settings.divs) * len(ks) * len(prompts)
+    # Each prompt samples_per_prompt times (request r of prompt p: its own seed, the same one at every T, k and div).
+    requests = [(r * len(prompts) + p, ids) for r in range(settings.samples_per_prompt) for p, ids in enumerate(prompts)]
+    total = sum(len(settings.thresholds[d]) for d in settings.divs) * len(ks) * len(requests)
     bar = _Progress(progress, total * settings.max_new_tokens, "acceptance")
     samples: list[AcceptanceSample] = []
     try:
@@ -468,7 +495,7 @@ def measure_acceptance(
                 threshold_of: dict[str, float] = {}
                 # Per request (accepted, drafted): the spread across requests (sim.profile_fit.fit_request_acceptance).
                 per_request: dict[float, dict[str, list[int]]] = {t: {} for t in grid}
-                for p, ids in enumerate(prompts):
+                for p, ids in requests:
                     for t in grid:
                         rid = f"{div}/k{k}/T{t}/p{p}"
                         threshold_of[rid] = t
@@ -657,23 +684,43 @@ class EarlierCalibration:
     calibration: dict[str, Any] | None  # the profile's raw calibration record
 
 
+def _earlier_record(source: EarlierCalibration, pair_name: str, flag: str) -> CalibrationRecord:
+    if source.source != "calibrated" or source.calibration is None:
+        raise ValueError(f"{flag}: the profile has no calibration record (not made by fsd calibrate)")
+    if not source.pair.startswith(f"{pair_name}:") and source.pair != pair_name:
+        raise ValueError(f"{flag}: the profile is for pair {source.pair!r}, not {pair_name!r}")
+    return CalibrationRecord.model_validate(source.calibration)
+
+
+def reusable_latency(source: EarlierCalibration, pair_name: str, settings: CalibrationSettings) -> tuple[
+    list[LatencySample], CalibrationSettings
+]:
+    """The raw latency samples of an earlier calibrated profile of the same pair (step times do not depend on the
+    prompts or the sampling settings), and ``settings`` updated to describe them: acceptance measured again, e.g.
+    on the traffic's own prompts and temperature, against the machine model the policy already plans with."""
+    old = _earlier_record(source, pair_name, "--latency-from").settings
+    keep = ("ks", "batch_sizes", "plain_decoding", "timing_iterations", "timing_prompt_tokens", "prefill_lengths",
+            "prefill_repeats", "clock")
+    data = settings.model_dump()
+    data["acceptance_ks"] = settings.swept_acceptance_ks  # before ks becomes the timing sweep's
+    data.update({name: getattr(old, name) for name in keep})
+    return _earlier_record(source, pair_name, "--latency-from").latency, CalibrationSettings.from_dict(data)
+
+
 def reusable_acceptance(source: EarlierCalibration, pair_name: str, settings: CalibrationSettings) -> tuple[
     list[AcceptanceSample], CalibrationSettings
 ]:
     """The raw acceptance samples of an earlier calibrated profile of the same pair and sampling
     settings (acceptance does not depend on the machine), and ``settings`` updated to describe them."""
-    if source.source != "calibrated" or source.calibration is None:
-        raise ValueError("--acceptance-from: the profile has no calibration record (not made by fsd calibrate)")
-    if not source.pair.startswith(f"{pair_name}:") and source.pair != pair_name:
-        raise ValueError(f"--acceptance-from: the profile is for pair {source.pair!r}, not {pair_name!r}")
-    record = CalibrationRecord.model_validate(source.calibration)
+    record = _earlier_record(source, pair_name, "--acceptance-from")
     old = record.settings
     for name in ("temperature", "rule"):
         if getattr(old, name) != getattr(settings, name):
             raise ValueError(
                 f"--acceptance-from: its {name} is {getattr(old, name)!r}, this run's is {getattr(settings, name)!r}"
             )
-    keep = ("divs", "thresholds", "prompts", "max_new_tokens", "acceptance_batch_size", "seed")
+    keep = ("divs", "thresholds", "prompts", "prompt_texts", "samples_per_prompt", "max_new_tokens",
+            "acceptance_batch_size", "seed")
     data = settings.model_dump()
     data.update({name: getattr(old, name) for name in keep})
     data["acceptance_ks"] = old.swept_acceptance_ks
@@ -727,11 +774,13 @@ def measure(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     acceptance_from: EarlierCalibration | None = None,
+    latency_from: EarlierCalibration | None = None,
 ) -> Measurement:
     """Measure ``pair`` with the engine: the acceptance sweep, then the latency sweep.
 
     With ``acceptance_from`` (an earlier calibrated profile of the same pair), its acceptance data is
-    reused and only the latency is measured.
+    reused and only the latency is measured; with ``latency_from``, the other way round; with both, nothing is
+    measured: one profile's acceptance beside another's latency.
     """
     import torch
     import transformers
@@ -739,14 +788,19 @@ def measure(
     started = time.perf_counter()
     load_start = _load_average()
     reused = ""
+    latency: list[LatencySample] | None = None
+    if latency_from is not None:
+        latency, settings = reusable_latency(latency_from, pair.name, settings)
+        reused = f" Latency data reused from a profile measured {latency_from.date}."
     if acceptance_from is not None:
         acceptance, settings = reusable_acceptance(acceptance_from, pair.name, settings)
-        reused = f" Acceptance data reused from a profile measured {acceptance_from.date}."
+        reused += f" Acceptance data reused from a profile measured {acceptance_from.date}."
     else:
         acceptance = measure_acceptance(pair, settings, progress=progress)
         if log:
             log(f"acceptance sweep done in {time.perf_counter() - started:.0f} s")
-    latency = measure_latency(pair, settings, progress=progress)
+    if latency is None:
+        latency = measure_latency(pair, settings, progress=progress)
     load_end = _load_average()
     wall = time.perf_counter() - started
     threads = torch.get_num_threads()
@@ -766,7 +820,8 @@ def measure(
     setup_notes = (
         f"Measured with `fsd calibrate` through FSDEngine.step(): acceptance at temperature "
         f"{settings.temperature}, rule {settings.rule}, batch {settings.acceptance_batch_size}, "
-        f"{settings.prompts} prompts x {settings.max_new_tokens} tokens per grid point, k "
+        f"{settings.prompts} prompts ({'built-in' if settings.prompt_texts is None else 'given'} set) x "
+        f"{settings.samples_per_prompt} x {settings.max_new_tokens} tokens per grid point, k "
         f"{list(settings.swept_acceptance_ks)}; latency at batch sizes "
         f"{list(settings.batch_sizes)}, k {list(settings.timed_ks)}, {settings.timing_iterations} timed steps each, "
         f"{settings.timing_prompt_tokens}-token prompts."

@@ -48,7 +48,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--acceptance-ks", help="draft lengths of the acceptance sweep only (default: --ks); timing sweeps --ks"
     )
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes for timing (default 1,2,4,8)")
-    parser.add_argument("--prompts", type=int, help="prompts per acceptance grid point (default 6, max 16)")
+    parser.add_argument(
+        "--prompts", type=int,
+        help="prompts per acceptance grid point (default 6 of the built-in 16; all of a given set)")
+    prompt_source = parser.add_mutually_exclusive_group()
+    prompt_source.add_argument(
+        "--prompt-set", choices=("builtin", "serving"),
+        help="the acceptance sweep's prompts: 'builtin' (16 long-answer chat and code prompts, the default) or "
+        "'serving' (the short chat prompts `fsd demo` and benchmarks/load.py send)")
+    prompt_source.add_argument(
+        "--prompts-file", type=Path, metavar="PATH",
+        help="the acceptance sweep's prompts, one per line (blank lines skipped): calibrate on prompts like the "
+        "traffic served, as acceptance depends on what is asked")
+    parser.add_argument("--samples-per-prompt", type=int,
+                        help="acceptance requests per prompt and grid point, each its own seed (default 1)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per acceptance request (default 40)")
     parser.add_argument("--timing-iterations", type=int, help="timed steps per (k, batch size) (default 6)")
     parser.add_argument(
@@ -77,6 +90,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="PROFILE",
         help="reuse the acceptance data of an earlier calibrated profile of this pair; measure latency only",
     )
+    parser.add_argument(
+        "--latency-from",
+        type=Path,
+        metavar="PROFILE",
+        help="reuse the latency data of an earlier calibrated profile of this pair; measure acceptance only (e.g. "
+        "on the served traffic's prompts and temperature)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -96,6 +116,25 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
         raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
 
 
+def prompt_texts(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The acceptance sweep's prompts the flags name (None: the built-in set); ValueError naming the flag."""
+    if getattr(args, "prompt_set", None) == "serving":
+        from sim.prompts import PROMPTS
+
+        return PROMPTS
+    path: Path | None = getattr(args, "prompts_file", None)
+    if path is None:
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--prompts-file: cannot read {str(path)!r}: {exc}") from None
+    texts = tuple(line.strip() for line in lines if line.strip())
+    if not texts:
+        raise ValueError(f"--prompts-file: {str(path)!r} holds no prompt (one per line)")
+    return texts
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     """The CalibrationSettings the flags describe (ValueError naming a bad flag)."""
     from decoder.calibration import CalibrationSettings
@@ -109,10 +148,14 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         overrides["acceptance_ks"] = _int_list(args.acceptance_ks, "--acceptance-ks")
     if args.batch_sizes:
         overrides["batch_sizes"] = _int_list(args.batch_sizes, "--batch-sizes")
-    for name in ("prompts", "max_new_tokens", "timing_iterations", "temperature", "rule", "clock"):
+    for name in ("prompts", "samples_per_prompt", "max_new_tokens", "timing_iterations", "temperature", "rule", "clock"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
+    texts = prompt_texts(args)
+    if texts is not None:
+        overrides["prompt_texts"] = texts
+        overrides.setdefault("prompts", len(texts))
     base = CalibrationSettings.quick() if args.quick else CalibrationSettings()
     grids = dict(base.thresholds)
     divs = overrides.get("divs", base.divs)
@@ -130,23 +173,37 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def calibrate(pair: ModelPair, settings: CalibrationSettings, *, command: str = "", progress: bool = False,
-              log: Callable[[str], None] | None = None, acceptance_from: Profile | None = None) -> Profile:
+              log: Callable[[str], None] | None = None, acceptance_from: Profile | None = None,
+              latency_from: Profile | None = None) -> Profile:
     """Measure ``pair`` (decoder/calibration.py) and fit its Profile (sim/profile_fit.py).
 
     ``acceptance_from``: an earlier calibrated ``Profile`` of the same pair whose acceptance data is reused,
     with its separately measured acceptance sections (per-request spread, batch multipliers): only the
-    latency is measured again.
+    latency is measured again. ``latency_from``: one whose latency data is reused (its fitted latency model kept
+    as it is, with the machine's measured departures from it): only the acceptance is measured again; its
+    per-request spread comes along where ``acceptance_from`` gives none (a calibration measures no spread, and
+    a profile without one simulates every request alike: keeping the served requests' is the nearer guess).
     """
     from decoder.calibration import EarlierCalibration, measure
     from sim.profile_fit import fit_profile
 
-    earlier = None
-    if acceptance_from is not None:
-        earlier = EarlierCalibration(source=acceptance_from.provenance.source, pair=acceptance_from.provenance.pair,
-                                     date=acceptance_from.provenance.date, calibration=acceptance_from.calibration)
-    measurement = measure(pair, settings, progress=progress, log=log, acceptance_from=earlier)
+    def earlier(profile: Profile | None) -> EarlierCalibration | None:
+        if profile is None:
+            return None
+        return EarlierCalibration(source=profile.provenance.source, pair=profile.provenance.pair,
+                                  date=profile.provenance.date, calibration=profile.calibration)
+
+    measurement = measure(pair, settings, progress=progress, log=log, acceptance_from=earlier(acceptance_from),
+                          latency_from=earlier(latency_from))
     profile = fit_profile(measurement, command=command)
+    if latency_from is not None:
+        # The source's latency as fitted (a refit by today's code could move it), with what was fitted to it since.
+        profile = profile.model_copy(update={"latency": latency_from.latency})
     if acceptance_from is None:
+        spread = latency_from.request_acceptance if latency_from is not None else None
+        if spread is not None:
+            spread = spread.model_copy(update={"source": f"kept from the --latency-from profile: {spread.source}"})
+            profile = profile.model_copy(update={"request_acceptance": spread})
         return profile
     return profile.model_copy(update={"request_acceptance": acceptance_from.request_acceptance,
                                       "batch_acceptance": acceptance_from.batch_acceptance})
@@ -168,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.profile_fit import headline
 
     source = Profile.load(args.acceptance_from) if args.acceptance_from is not None else None
+    latency_source = Profile.load(args.latency_from) if args.latency_from is not None else None
 
     torch.set_num_threads(args.threads)
     def log(msg: str) -> None:
@@ -185,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         flags = {k: str(v) for k, v in vars(args).items() if k not in ("func", "command")}
         command = f"fsd calibrate (in-process) {flags}"
     profile = calibrate(
-        pair, settings, command=command, progress=not args.no_progress, log=log, acceptance_from=source
+        pair, settings, command=command, progress=not args.no_progress, log=log, acceptance_from=source,
+        latency_from=latency_source,
     )
     profile.save(out)
     log(f"wrote {out}")

@@ -238,6 +238,9 @@ def test_latency_fit_needs_both_phases() -> None:
         ({"thresholds": {"kl": (0.0, -1.0)}}, "thresholds"),
         ({"divs": ("js",), "thresholds": {"kl": (0.0, 1.0)}}, "js"),
         ({"prompts": 0}, "prompts"),
+        ({"prompts": 17}, "prompts 17 exceeds the prompt set's 16"),
+        ({"prompt_texts": ()}, "prompt_texts"),
+        ({"prompt_texts": ("a", " ")}, "prompt 1 is empty"),
         ({"default_k": 5}, "default_k"),
     ],
 )
@@ -345,7 +348,7 @@ def test_tiny_raw_data_is_consistent(tiny_profile: Profile) -> None:
         assert s.fuzzy_accepted <= s.accepted <= s.drafted
         # Per request (one per prompt): the pooled counts split without loss.
         assert s.request_accepted is not None and s.request_drafted is not None
-        assert len(s.request_accepted) == len(s.request_drafted) == record.settings.prompts
+        assert len(s.request_accepted) == len(s.request_drafted) == record.settings.prompts * record.settings.samples_per_prompt
         assert sum(s.request_accepted) == s.accepted and sum(s.request_drafted) == s.drafted
         # Every distortion event carries TV in (0, 1]: events bound the sum from both sides.
         assert s.distorted_tokens is not None and s.distorted_tokens <= s.emitted_tokens
@@ -387,3 +390,34 @@ def test_acceptance_can_be_reused_and_only_latency_remeasured(tiny_profile: Prof
         calibrate(tiny_pair(), settings.model_copy(update={"temperature": 0.7}), acceptance_from=tiny_profile)
     with pytest.raises(ValueError, match="pair"):
         calibrate(tiny_pair(seed=1), settings, acceptance_from=tiny_profile)
+
+
+def test_latency_can_be_reused_and_acceptance_measured_on_other_prompts(tiny_profile: Profile) -> None:
+    from decoder.models import tiny_pair
+
+    settings = CalibrationSettings.quick(temperature=0.7, prompt_texts=("Say hi.", "Count to three."), prompts=2,
+                                         samples_per_prompt=2)
+    from sim.profile import RequestAcceptance
+
+    spread = RequestAcceptance(concentration=7.0, source="served requests")
+    again = calibrate(tiny_pair(), settings, latency_from=tiny_profile.model_copy(update={"request_acceptance": spread}))
+    # The per-request spread comes along (a calibration measures none), saying where it came from.
+    assert again.request_acceptance is not None and again.request_acceptance.concentration == 7.0
+    assert "--latency-from" in again.request_acceptance.source
+    # The machine model is the source's, as fitted; the raw timings travel with it and the settings describe them.
+    assert again.latency == tiny_profile.latency
+    record = CalibrationRecord.model_validate(again.calibration)
+    source = CalibrationRecord.model_validate(tiny_profile.calibration)
+    assert record.latency == source.latency
+    assert record.settings.batch_sizes == source.settings.batch_sizes == (1, 3)
+    assert record.settings.ks == source.settings.ks and record.settings.swept_acceptance_ks == (4,)
+    # The acceptance is this run's: its temperature, prompts and grid.
+    assert record.settings.temperature == 0.7 and record.settings.prompt_texts == ("Say hi.", "Count to three.")
+    assert {(a.div, a.k) for a in again.acceptance} == {("kl", 4)}
+    assert {len(s.request_drafted) for s in record.acceptance} == {4}
+    with pytest.raises(ValueError, match="--latency-from"):
+        calibrate(tiny_pair(seed=1), settings, latency_from=tiny_profile)
+
+    # Both reused: nothing measured, one profile's acceptance beside the other's latency.
+    spliced = calibrate(tiny_pair(), settings, acceptance_from=again, latency_from=tiny_profile)
+    assert spliced.acceptance == again.acceptance and spliced.latency == tiny_profile.latency

@@ -5,6 +5,7 @@
     fsd sim compare --policies static:0,static:1.0,pid,bandit,feedforward --workload sim/workloads/step.yaml
     fsd sim compare --trace recording.csv --config fsd.yaml --policies pid,slo   # replay a recording
     fsd sim decisions --history status.json --policy '{"policy": "slo", "budget_margin": 0.2}'
+    fsd sim model --profile sim/profiles/smollm2-135m-chat-t0.7.json --out policies/models/smollm2-135m-chat-t0.7.json
 
 With ``--config`` (the service's fsd YAML) and a recorded ``--trace`` (``fsd trace fetch``), the replay
 takes the SLO, the live policy and the fleet from the config, replays the recorded arrivals, token counts
@@ -17,6 +18,10 @@ the windows the live controller saw (``--policy``; default the spec that ran, wh
 did live). The policy's operating model is the one the history recorded where that policy took over;
 ``--profile`` (with ``--div``) replaces it with a profile's.
 See docs/rollout.md.
+
+``fsd sim model`` writes the operating model a profile gives the model-predictive policy (``--div``: the
+profile's default): the JSON a policy spec's ``"model"`` names, e.g. to run a policy planned on another
+calibration beside the shipped one (``benchmarks/load.py --policy``).
 
 Defaults: the shipped calibrated profile (sim/profiles/smollm2-135m.json), SLOSpec.default(), the shipped
 steady workload, 2 replicas of max batch 8. Same seed ⇒ identical results.
@@ -40,9 +45,10 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("action", nargs="?", choices=("run", "compare", "decisions"), default="run",
-                   help="'run' (default) one policy, 'compare' several on the same workload and seed, or "
-                        "'decisions': replay a recorded control history through a policy (--history)")
+    p.add_argument("action", nargs="?", choices=("run", "compare", "decisions", "model"), default="run",
+                   help="'run' (default) one policy, 'compare' several on the same workload and seed, "
+                        "'decisions': replay a recorded control history through a policy (--history), or 'model': "
+                        "write the operating model --profile gives the model-predictive policy (--out)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", help="workload YAML (default: sim/workloads/steady.yaml)")
     src.add_argument("--trace", help="Azure-format trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
@@ -70,8 +76,9 @@ def register(subparsers: Any) -> None:
                                      "benchmarks/load.py --ticks file (.json or .json.gz)")
     p.add_argument("--run", action="append", help="decisions, with a --ticks file: NAME:ROUND of the run(s) to "
                                                   "replay (repeatable; default every run)")
-    p.add_argument("--div", help="decisions: the divergence of the profile the controller used (default: the "
-                                 "profile's default)")
+    p.add_argument("--div", help="decisions: the divergence of the profile the controller used; model: the "
+                                 "model's divergence (default: the profile's default)")
+    p.add_argument("--out", help="model: where to write the operating model JSON")
     p.set_defaults(func=handle)
 
 
@@ -114,6 +121,10 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.action == "decisions":
         return handle_decisions(args)
+    if args.action == "model":
+        return handle_model(args)
+    if args.out:
+        raise ValueError("--out is for 'fsd sim model' (run and compare write --json)")
     if args.history:
         raise ValueError("--history is for 'fsd sim decisions'")
     if args.config:
@@ -231,6 +242,23 @@ def handle_replay(args: argparse.Namespace) -> int:
         from sim.report import plot_compare
 
         plot_compare(rows, args.plot, title=f"recorded trace {Path(args.trace).name} (seed {args.seed})")
+    return 0
+
+
+def handle_model(args: argparse.Namespace) -> int:
+    """``fsd sim model``: the operating model of ``--profile`` (at ``--div``) written to ``--out``."""
+    from sim.profile import Profile
+
+    if not args.profile or not args.out:
+        raise ValueError("model: give --profile (a profile JSON) and --out (where to write its operating model)")
+    out = Path(args.out)
+    if not out.parent.exists():
+        raise ValueError(f"--out: directory {str(out.parent)!r} does not exist")
+    profile = Profile.load(args.profile)
+    model = profile.to_operating_model(div=args.div)
+    model.save(out)
+    print(json.dumps({"profile": args.profile, "out": str(out), "source": model.source,
+                      "points": len(model.points), "draft_lengths": list(model.draft_lengths)}, indent=2))
     return 0
 
 

@@ -128,3 +128,23 @@ def test_sim_warns_when_a_tier_target_is_out_of_the_profiles_reach(workload, cap
     assert main(["sim", "--workload", str(workload), "--policy", "static:1.0",
                  "--profile", str(HANDMADE_2THREADS_PROFILE_PATH)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_sim_model_writes_the_operating_model_a_policy_spec_can_name(tmp_path, capsys) -> None:
+    from dataclasses import replace
+
+    from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel
+    from policies.registry import make_policy
+    from policies.slo import SLOSpec
+    from sim.profile import DEFAULT_PROFILE_PATH
+
+    out = tmp_path / "model.json"
+    assert main(["sim", "model", "--profile", str(DEFAULT_PROFILE_PATH), "--out", str(out)]) == 0
+    written = OperatingModel.load(out)
+    shipped = OperatingModel.load(DEFAULT_MODEL_PATH)
+    assert replace(written, source=shipped.source) == shipped  # the shipped model is this profile's
+    policy = make_policy({"policy": "slo", "model": str(out)}, SLOSpec.default())
+    assert policy is not None
+    capsys.readouterr()
+    assert main(["sim", "model", "--profile", str(DEFAULT_PROFILE_PATH)]) == 2
+    assert "--out" in capsys.readouterr().err

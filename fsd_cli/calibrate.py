@@ -199,14 +199,14 @@ def calibrate(pair: ModelPair, settings: CalibrationSettings, *, command: str = 
     if latency_from is not None:
         # The source's latency as fitted (a refit by today's code could move it), with what was fitted to it since.
         profile = profile.model_copy(update={"latency": latency_from.latency})
-    if acceptance_from is None:
-        spread = latency_from.request_acceptance if latency_from is not None else None
-        if spread is not None:
-            spread = spread.model_copy(update={"source": f"kept from the --latency-from profile: {spread.source}"})
-            profile = profile.model_copy(update={"request_acceptance": spread})
-        return profile
-    return profile.model_copy(update={"request_acceptance": acceptance_from.request_acceptance,
-                                      "batch_acceptance": acceptance_from.batch_acceptance})
+    if acceptance_from is not None:
+        profile = profile.model_copy(update={"request_acceptance": acceptance_from.request_acceptance,
+                                             "batch_acceptance": acceptance_from.batch_acceptance})
+    spread = latency_from.request_acceptance if latency_from is not None else None
+    if profile.request_acceptance is None and spread is not None:
+        spread = spread.model_copy(update={"source": f"kept from the --latency-from profile: {spread.source}"})
+        profile = profile.model_copy(update={"request_acceptance": spread})
+    return profile
 
 
 def run(args: argparse.Namespace) -> int:

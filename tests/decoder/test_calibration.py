@@ -419,5 +419,7 @@ def test_latency_can_be_reused_and_acceptance_measured_on_other_prompts(tiny_pro
         calibrate(tiny_pair(seed=1), settings, latency_from=tiny_profile)
 
     # Both reused: nothing measured, one profile's acceptance beside the other's latency.
-    spliced = calibrate(tiny_pair(), settings, acceptance_from=again, latency_from=tiny_profile)
+    spliced = calibrate(tiny_pair(), settings, acceptance_from=again.model_copy(update={"request_acceptance": None}),
+                        latency_from=tiny_profile.model_copy(update={"request_acceptance": spread}))
     assert spliced.acceptance == again.acceptance and spliced.latency == tiny_profile.latency
+    assert spliced.request_acceptance is not None and spliced.request_acceptance.concentration == 7.0

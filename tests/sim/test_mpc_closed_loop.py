@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,18 @@ def test_shipped_operating_model_is_the_calibrated_profile_converted() -> None:
     shipped = OperatingModel.load(DEFAULT_MODEL_PATH)
     fresh = Profile.default().to_operating_model(source=shipped.source)
     assert fresh == shipped, "regenerate policies/models/smollm2-135m.json from sim/profiles/smollm2-135m.json"
+
+
+def test_chat_operating_model_is_the_chat_profile_converted() -> None:
+    """The model of the load benchmark's traffic (its prompts at temperature 0.7; docs/calibration.md): the chat
+    profile's, with the shipped profile's step model."""
+    root = Path(__file__).resolve().parents[2]
+    chat = Profile.load(root / "sim/profiles/smollm2-135m-chat-t0.7.json")
+    shipped = OperatingModel.load(root / "policies/models/smollm2-135m-chat-t0.7.json")
+    assert chat.to_operating_model(source=shipped.source) == shipped, (
+        "regenerate it: fsd sim model --profile sim/profiles/smollm2-135m-chat-t0.7.json "
+        "--out policies/models/smollm2-135m-chat-t0.7.json")
+    assert chat.latency == Profile.default().latency
 
 
 def test_where_plain_decoding_meets_the_slo_the_shipped_policy_spends_no_distortion() -> None:

@@ -698,13 +698,14 @@ def reusable_latency(source: EarlierCalibration, pair_name: str, settings: Calib
     """The raw latency samples of an earlier calibrated profile of the same pair (step times do not depend on the
     prompts or the sampling settings), and ``settings`` updated to describe them: acceptance measured again, e.g.
     on the traffic's own prompts and temperature, against the machine model the policy already plans with."""
-    old = _earlier_record(source, pair_name, "--latency-from").settings
+    record = _earlier_record(source, pair_name, "--latency-from")
+    old = record.settings
     keep = ("ks", "batch_sizes", "plain_decoding", "timing_iterations", "timing_prompt_tokens", "prefill_lengths",
             "prefill_repeats", "clock")
     data = settings.model_dump()
     data["acceptance_ks"] = settings.swept_acceptance_ks  # before ks becomes the timing sweep's
     data.update({name: getattr(old, name) for name in keep})
-    return _earlier_record(source, pair_name, "--latency-from").latency, CalibrationSettings.from_dict(data)
+    return record.latency, CalibrationSettings.from_dict(data)
 
 
 def reusable_acceptance(source: EarlierCalibration, pair_name: str, settings: CalibrationSettings) -> tuple[

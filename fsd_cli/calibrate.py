@@ -118,11 +118,11 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 
 def prompt_texts(args: argparse.Namespace) -> tuple[str, ...] | None:
     """The acceptance sweep's prompts the flags name (None: the built-in set); ValueError naming the flag."""
-    if getattr(args, "prompt_set", None) == "serving":
+    if args.prompt_set == "serving":
         from sim.prompts import PROMPTS
 
         return PROMPTS
-    path: Path | None = getattr(args, "prompts_file", None)
+    path: Path | None = args.prompts_file
     if path is None:
         return None
     try:

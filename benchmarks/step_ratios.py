@@ -169,6 +169,34 @@ def noise_windows(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingM
     return read, mixed_batches
 
 
+def scale_sums(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str,
+               batch_tolerance: float) -> dict[int, tuple[float, float, int, float]]:
+    """Per whole batch, (measured ms, modelled ms, windows, steps) summed over every window's steps of ``kind``
+    ("plain" or "speculative"), however few steps a window holds; a plain window only where its mean batch is within
+    ``batch_tolerance`` of a whole number (:func:`step_noise`: the plain table's curvature), a speculative one at its
+    rounded batch (the model is a line in rows: a window's mean batch reads its steps' mean exactly).
+
+    Why sums and every window: a step cut at a window's edge moves time from one window to the next, and a sum over
+    windows gets it back. A window of 1-3 steps reads 0.02-1.5x on its own, so :func:`noise_windows` leaves such
+    windows out; but a speculative step at five to eight rows takes 0.4-0.6 s, a window then holds one or two, and the
+    windows left with four steps are the fast ones. Live (seeds 67-73) that read the speculative steps at 0.96-0.99x
+    the model at one to four rows and not at all beyond, where the sums read 1.03-1.09x and 1.13-1.19x."""
+    sums: dict[int, tuple[float, float, int, float]] = {}
+    for telemetry_seq, model in zip(runs, model_of, strict=True):
+        for telemetry in telemetry_seq:
+            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
+                if ("plain" if k == "plain" else "speculative") != kind:
+                    continue
+                if kind == "plain" and abs(batch - round(batch)) > batch_tolerance:
+                    continue
+                steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
+                whole = max(1, round(batch))
+                measured, modelled, windows, counted = sums.get(whole, (0.0, 0.0, 0, 0.0))
+                sums[whole] = (measured + ms * steps, modelled + (fixed + per_row * batch) * steps, windows + 1,
+                               counted + steps)
+    return sums
+
+
 def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str = "plain",
                passes: int = 5, max_lag: int = 5, min_steps: int = 4, batch_tolerance: float = 0.1) -> dict[str, Any]:
     """How a live machine's steps depart from the model, in the simulator's terms (``LatencyModel``'s step drift):
@@ -184,9 +212,9 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     0). The jitter from what the drift leaves of the squared residuals, regressed on 1 / steps through the origin.
     A run's offset is its own mean: drift slower than a run reads as offset (``run_offset.sd`` between runs).
 
-    The scales are arithmetic means, as the simulator's factors (each of mean 1) make them: exp(mean offset +
-    shape) × exp(½ (offset variance + the batch's mean squared residual)), the log-normal's mean over its median.
-    Windows of fewer than ``min_steps`` steps are left out: live, such a window's time and step count are cut at
+    The scales by batch are arithmetic means, as the simulator's factors (each of mean 1) make them: measured over
+    modelled time summed over every window at that batch (:func:`scale_sums`; ``windows`` and ``steps`` count them).
+    The fit above reads windows of ``min_steps`` steps or more: live, a window's time and step count are cut at
     its edges apart (one-step windows read 0.02-1.5x the model), which is the recording, not the machine. So are
     windows whose mean batch is more than ``batch_tolerance`` from a whole number: the model is read at the mean
     batch, and a window that mixes, say, two and four rows would put the table's curvature (the 58 -> 86 ms jump
@@ -195,8 +223,13 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     rows = [(run, float(telemetry.get("time_s", math.nan)), batch, log_ratio, steps)
             for run, telemetry, batch, log_ratio, steps in read]  # (run, time_s, batch, log ratio, steps)
     windows = [float(telemetry.get("window_s", math.nan)) for _, telemetry, _, _, _ in read]
+    # The shape by batch as multipliers of the model's mean step (the runs' offsets folded in; sums, see above).
+    scales = {str(v): {"scale": round(measured / modelled, 4), "windows": windows, "steps": int(steps)}
+              for v, (measured, modelled, windows, steps) in sorted(
+                  scale_sums(runs, model_of, kind, batch_tolerance).items()) if modelled > 0}
     if len(rows) < 10:
-        return {"windows": len(rows), "mixed_batch_windows": mixed_batches}
+        return {"windows": len(rows), "mixed_batch_windows": mixed_batches, **({"scale_by_batch": scales} if scales
+                                                                               else {})}
     run_idx = np.array([r[0] for r in rows])
     t = np.array([r[1] for r in rows])
     b = np.array([r[2] for r in rows])
@@ -249,15 +282,10 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     inv = 1.0 / steps
     jitter_var = max(float(np.sum((residual**2 - drift_var) * inv) / np.sum(inv * inv)), 0.0)
     lag1 = mean_cov[1] / total_var if 1 in mean_cov and total_var > 0 else math.nan
-    centring = 0.5 * offset_sd * offset_sd
     return {
         "kind": kind, "windows": len(rows), "mixed_batch_windows": mixed_batches, "runs": int(runs_present.size),
         "run_offset": {"mean": round(mean_offset, 4), "sd": round(offset_sd, 4) if runs_present.size > 1 else None},
-        # The shape by batch as multipliers of the model's mean step (the runs' mean offset folded in; arithmetic
-        # means, see above), windows per batch.
-        "scale_by_batch": {str(v): {"scale": round(math.exp(mean_offset + shape[v] + centring
-                                                            + 0.5 * float(np.mean(residual[b == v] ** 2))), 4),
-                                    "windows": int((b == v).sum())} for v in batches.tolist()},
+        "scale_by_batch": scales,
         "residual_sd": round(math.sqrt(total_var), 4),
         "drift_sigma": round(math.sqrt(drift_var), 4), "jitter_sigma": round(math.sqrt(jitter_var), 4),
         "window_s": round(window, 3), "lag_pairs": {str(lag): len(covariance[lag]) for lag in range(1, max_lag + 1)},
@@ -290,24 +318,25 @@ def prefill_noise(runs: list[list[Mapping[str, Any]]], prompt_tokens: list[float
 
 
 def machine_offsets(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], noise: Mapping[str, Any],
-                    min_steps: int = 4, batch_tolerance: float = 0.1) -> dict[str, Any]:
+                    batch_tolerance: float = 0.1) -> dict[str, Any]:
     """How far ``runs``' steps sit from a simulated machine (``noise``: a ``--noise`` report's ``"noise"``), per kind:
-    the mean over windows of log(measured / modelled) less the log of the machine's scale at the window's batch (the
-    windows :func:`step_noise` reads: ``min_steps`` steps or more, a whole batch the machine has a scale for), and
-    that in the machine's spread of a run's offset (``z``). Near 0 where the runs are of the machine measured; a
-    run's own offset spreads by ``run_offset.sd`` about it."""
+    log(measured / the machine's time) summed over the windows :func:`step_noise` takes its scales from
+    (:func:`scale_sums`: every window, at a whole batch the machine has a scale for), where the machine's time is the
+    model's × its scale at the batch, and that in the machine's spread of a run's offset (``z``). Near 0 where the
+    runs are of the machine measured; a run's own offset spreads by ``run_offset.sd`` about it."""
     out: dict[str, Any] = {}
     for kind in ("plain", "speculative"):
         entry = noise.get(kind) or {}
-        scales = {int(b): math.log(float(v["scale"])) for b, v in (entry.get("scale_by_batch") or {}).items()}
-        read, _ = noise_windows(runs, model_of, kind, min_steps, batch_tolerance)
-        residuals = [log_ratio - scales[batch] for _, _, batch, log_ratio, _ in read if batch in scales]
-        if not residuals:
+        scales = {int(b): float(v["scale"]) for b, v in (entry.get("scale_by_batch") or {}).items()}
+        sums = {b: cell for b, cell in scale_sums(runs, model_of, kind, batch_tolerance).items() if b in scales}
+        measured = sum(cell[0] for cell in sums.values())
+        machine = sum(scales[b] * cell[1] for b, cell in sums.items())
+        if not machine > 0:
             out[kind] = {"windows": 0}
             continue
-        offset = statistics.fmean(residuals)
+        offset = math.log(measured / machine)
         sd = float((entry.get("run_offset") or {}).get("sd") or math.nan)
-        out[kind] = {"windows": len(residuals), "offset": round(offset, 4),
+        out[kind] = {"windows": sum(cell[2] for cell in sums.values()), "offset": round(offset, 4),
                      "z": round(offset / sd, 2) if sd > 0 else None}
     return out
 

@@ -103,7 +103,7 @@ def test_first_speculative_scores_each_prior_on_a_run_s_first_speculative_window
 
 
 def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 3600.0,
-                   k: int = 0) -> tuple[list[dict], object]:
+                   k: int = 0, rate: float = 0.5) -> tuple[list[dict], object]:
     """An hour of decoding at draft length ``k`` (0: plain) on one replica of the calibrated profile whose steps
     depart from it as ``latency`` says: each window's telemetry as a controller records it, and the model it is
     measured against."""
@@ -117,7 +117,7 @@ def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 36
     data["latency"].update(latency)
     slo = single_tier_slo(tpot_ms=200.0)
     recorder = Recorder(StaticPolicy(slo, 0.0, k))
-    workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": 0.5},
+    workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": rate},
                              prompt_tokens={"kind": "fixed", "value": 40}, output_tokens={"kind": "fixed", "value": 48})
     run_sim(workload, recorder, slo=slo, profile=Profile.model_validate(data), replicas=1, seed=seed)
     return [entry["telemetry"] for entry in recorder.entries], profile_model(base)
@@ -148,6 +148,26 @@ def test_noise_recovers_the_simulated_machine() -> None:
     # The recording's own floor (a window's steps cut at its edges) reads as a little jitter, a fifth of the truth's.
     assert quiet["drift_sigma"] < 0.03 and quiet["jitter_sigma"] < 0.08, quiet
     assert all(cell["scale"] == pytest.approx(1.0, abs=0.03) for cell in quiet["scale_by_batch"].values()), quiet
+
+
+def test_long_speculative_steps_are_read_at_every_batch_and_not_fast() -> None:
+    """Speculative steps of k = 6 take a third of a window or more, so most windows hold one to three of them: the
+    shape by batch is read from every window's sums (fixed seed), so each batch from one to six rows is there and
+    within 5 % of the machine's (1.0 rising to 1.25), where windows of four steps or more are only the fast ones
+    (the fit's, which read them low)."""
+    from benchmarks.step_ratios import noise_windows, step_noise
+
+    truth = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]
+    machine = {"speculative_step_scale_by_batch": truth, "step_jitter_sigma": 0.05,
+               "speculative_step_jitter_sigma": 0.08}
+    windows, model = _noisy_windows(machine, 5, duration_s=1800.0, k=6)
+    read = step_noise([windows], [model], "speculative")
+    scales = read["scale_by_batch"]
+    for rows, want in enumerate(truth, start=1):
+        assert scales[str(rows)]["scale"] == pytest.approx(want, rel=0.05), (rows, read)
+    assert sum(cell["steps"] for cell in scales.values()) > 3000, read
+    four_or_more, _ = noise_windows([windows], [model], "speculative", 4, 0.1)
+    assert len(four_or_more) < sum(cell["windows"] for cell in scales.values()) / 2, read
 
 
 def test_each_kind_of_step_has_its_own_jitter() -> None:

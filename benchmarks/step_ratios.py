@@ -170,30 +170,31 @@ def noise_windows(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingM
 
 
 def scale_sums(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str,
-               batch_tolerance: float) -> dict[int, tuple[float, float, int, float]]:
-    """Per whole batch, (measured ms, modelled ms, windows, steps) summed over every window's steps of ``kind``
-    ("plain" or "speculative"), however few steps a window holds; a plain window only where its mean batch is within
-    ``batch_tolerance`` of a whole number (:func:`step_noise`: the plain table's curvature), a speculative one at its
-    rounded batch (the model is a line in rows: a window's mean batch reads its steps' mean exactly).
+               batch_tolerance: float, min_steps: int = 4) -> dict[int, tuple[float, float, int, float]]:
+    """Per whole batch, (measured ms, modelled ms, windows, steps) summed over the windows' steps of ``kind``
+    ("plain" or "speculative"): a plain window of ``min_steps`` steps or more whose mean batch is within
+    ``batch_tolerance`` of a whole number (the plain table's curvature), every speculative window at its rounded
+    batch (the model is a line in rows: a window's mean batch reads its steps' mean exactly), however few steps.
 
-    Why sums and every window: a step cut at a window's edge moves time from one window to the next, and a sum over
-    windows gets it back. A window of 1-3 steps reads 0.02-1.5x on its own, so :func:`noise_windows` leaves such
-    windows out; but a speculative step at five to eight rows takes 0.4-0.6 s, a window then holds one or two, and the
-    windows left with four steps are the fast ones. Live (seeds 67-73) that read the speculative steps at 0.96-0.99x
-    the model at one to four rows and not at all beyond, where the sums read 1.03-1.09x and 1.13-1.19x."""
+    Why the speculative windows are not filtered: a speculative step at k = 6 takes 0.3 s at one row and 0.4-0.6 s at
+    five to eight, so a one-second window holds one to three, and keeping those with four keeps the fast steps. Live
+    (seeds 67-73) that read the speculative steps at 0.97-1.01x the model at one to four rows and left five to eight
+    rows with a handful of windows, where the sums over every window read 1.03-1.09x and 1.13-1.19x. Why the plain
+    ones are: a request joining an idle replica is counted as a plain step of ~1 ms (its prefill's iteration), and
+    the windows holding one are the one-step windows that read 0.02x; the simulator counts no such step."""
     sums: dict[int, tuple[float, float, int, float]] = {}
     for telemetry_seq, model in zip(runs, model_of, strict=True):
         for telemetry in telemetry_seq:
             for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
                 if ("plain" if k == "plain" else "speculative") != kind:
                     continue
-                if kind == "plain" and abs(batch - round(batch)) > batch_tolerance:
-                    continue
                 steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
+                if kind == "plain" and (steps < min_steps or abs(batch - round(batch)) > batch_tolerance):
+                    continue
                 whole = max(1, round(batch))
-                measured, modelled, windows, counted = sums.get(whole, (0.0, 0.0, 0, 0.0))
-                sums[whole] = (measured + ms * steps, modelled + (fixed + per_row * batch) * steps, windows + 1,
-                               counted + steps)
+                measured, modelled, n_windows, n_steps = sums.get(whole, (0.0, 0.0, 0, 0.0))
+                sums[whole] = (measured + ms * steps, modelled + (fixed + per_row * batch) * steps, n_windows + 1,
+                               n_steps + steps)
     return sums
 
 
@@ -213,9 +214,11 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     A run's offset is its own mean: drift slower than a run reads as offset (``run_offset.sd`` between runs).
 
     The scales by batch are arithmetic means, as the simulator's factors (each of mean 1) make them: measured over
-    modelled time summed over every window at that batch (:func:`scale_sums`; ``windows`` and ``steps`` count them).
-    The fit above reads windows of ``min_steps`` steps or more: live, a window's time and step count are cut at
-    its edges apart (one-step windows read 0.02-1.5x the model), which is the recording, not the machine. So are
+    modelled time summed over the windows at that batch (:func:`scale_sums`: every speculative window, plain ones of
+    ``min_steps`` steps or more; ``windows`` and ``steps`` count them). With fewer than ten windows for the fit, the
+    scales alone are returned. The fit above reads windows of ``min_steps`` steps or more: a window of one to three
+    steps reads 0.02-1.5x the model on its own (a join's ~1 ms prefill iteration counted as a step, a handful of
+    steps' jitter unaveraged), which is not the shape a drift and a jitter describe. So are
     windows whose mean batch is more than ``batch_tolerance`` from a whole number: the model is read at the mean
     batch, and a window that mixes, say, two and four rows would put the table's curvature (the 58 -> 86 ms jump
     between three and four rows) into the shape at three."""
@@ -224,9 +227,9 @@ def step_noise(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
             for run, telemetry, batch, log_ratio, steps in read]  # (run, time_s, batch, log ratio, steps)
     windows = [float(telemetry.get("window_s", math.nan)) for _, telemetry, _, _, _ in read]
     # The shape by batch as multipliers of the model's mean step (the runs' offsets folded in; sums, see above).
-    scales = {str(v): {"scale": round(measured / modelled, 4), "windows": windows, "steps": int(steps)}
-              for v, (measured, modelled, windows, steps) in sorted(
-                  scale_sums(runs, model_of, kind, batch_tolerance).items()) if modelled > 0}
+    scales = {str(v): {"scale": round(measured / modelled, 4), "windows": n_windows, "steps": int(n_steps)}
+              for v, (measured, modelled, n_windows, n_steps) in sorted(
+                  scale_sums(runs, model_of, kind, batch_tolerance, min_steps).items()) if modelled > 0}
     if len(rows) < 10:
         return {"windows": len(rows), "mixed_batch_windows": mixed_batches, **({"scale_by_batch": scales} if scales
                                                                                else {})}
@@ -321,7 +324,7 @@ def machine_offsets(runs: list[list[Mapping[str, Any]]], model_of: list[Operatin
                     batch_tolerance: float = 0.1) -> dict[str, Any]:
     """How far ``runs``' steps sit from a simulated machine (``noise``: a ``--noise`` report's ``"noise"``), per kind:
     log(measured / the machine's time) summed over the windows :func:`step_noise` takes its scales from
-    (:func:`scale_sums`: every window, at a whole batch the machine has a scale for), where the machine's time is the
+    (:func:`scale_sums`, at a whole batch the machine has a scale for), where the machine's time is the
     model's × its scale at the batch, and that in the machine's spread of a run's offset (``z``). Near 0 where the
     runs are of the machine measured; a run's own offset spreads by ``run_offset.sd`` about it."""
     out: dict[str, Any] = {}

@@ -103,7 +103,7 @@ def test_first_speculative_scores_each_prior_on_a_run_s_first_speculative_window
 
 
 def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 3600.0,
-                   k: int = 0, rate: float = 0.5) -> tuple[list[dict], object]:
+                   k: int = 0) -> tuple[list[dict], object]:
     """An hour of decoding at draft length ``k`` (0: plain) on one replica of the calibrated profile whose steps
     depart from it as ``latency`` says: each window's telemetry as a controller records it, and the model it is
     measured against."""
@@ -117,7 +117,7 @@ def _noisy_windows(latency: dict[str, object], seed: int, duration_s: float = 36
     data["latency"].update(latency)
     slo = single_tier_slo(tpot_ms=200.0)
     recorder = Recorder(StaticPolicy(slo, 0.0, k))
-    workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": rate},
+    workload = make_workload(duration_s=duration_s, arrivals={"kind": "poisson", "rate": 0.5},
                              prompt_tokens={"kind": "fixed", "value": 40}, output_tokens={"kind": "fixed", "value": 48})
     run_sim(workload, recorder, slo=slo, profile=Profile.model_validate(data), replicas=1, seed=seed)
     return [entry["telemetry"] for entry in recorder.entries], profile_model(base)

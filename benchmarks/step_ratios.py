@@ -36,7 +36,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,18 @@ def first_speculative_errors(runs: list[list[Mapping[str, Any]]], model_of: list
     return errors
 
 
+def kind_windows(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str) -> Iterator[
+        tuple[int, Mapping[str, Any], float, float, float, float, float]]:
+    """Each window's steps of one ``kind`` ("plain" or "speculative"): (run index, telemetry, mean batch, measured
+    mean step ms, the model's fixed ms, its per-row ms, steps)."""
+    for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
+        for telemetry in telemetry_seq:
+            steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
+            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
+                if ("plain" if k == "plain" else "speculative") == kind:
+                    yield run, telemetry, batch, ms, fixed, per_row, steps
+
+
 def noise_windows(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingModel], kind: str, min_steps: int,
                   batch_tolerance: float) -> tuple[list[tuple[int, Mapping[str, Any], int, float, float]], int]:
     """The windows the machine's noise is read from (see :func:`step_noise`), for one ``kind`` ("plain" or
@@ -156,16 +168,13 @@ def noise_windows(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingM
     how many windows were left out for a mixed batch."""
     read: list[tuple[int, Mapping[str, Any], int, float, float]] = []
     mixed_batches = 0
-    for run, (telemetry_seq, model) in enumerate(zip(runs, model_of, strict=True)):
-        for telemetry in telemetry_seq:
-            steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
-            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
-                if ("plain" if k == "plain" else "speculative") != kind or steps < min_steps:
-                    continue
-                if abs(batch - round(batch)) > batch_tolerance:
-                    mixed_batches += 1
-                    continue
-                read.append((run, telemetry, max(1, round(batch)), math.log(ms / (fixed + per_row * batch)), steps))
+    for run, telemetry, batch, ms, fixed, per_row, steps in kind_windows(runs, model_of, kind):
+        if steps < min_steps:
+            continue
+        if abs(batch - round(batch)) > batch_tolerance:
+            mixed_batches += 1
+            continue
+        read.append((run, telemetry, max(1, round(batch)), math.log(ms / (fixed + per_row * batch)), steps))
     return read, mixed_batches
 
 
@@ -183,18 +192,13 @@ def scale_sums(runs: list[list[Mapping[str, Any]]], model_of: list[OperatingMode
     ones are: a request joining an idle replica is counted as a plain step of ~1 ms (its prefill's iteration), and
     the windows holding one are the one-step windows that read 0.02x; the simulator counts no such step."""
     sums: dict[int, tuple[float, float, int, float]] = {}
-    for telemetry_seq, model in zip(runs, model_of, strict=True):
-        for telemetry in telemetry_seq:
-            for k, batch, ms, fixed, per_row in window_steps(telemetry, model):
-                if ("plain" if k == "plain" else "speculative") != kind:
-                    continue
-                steps = float((telemetry.get(f"{kind}_steps") or {}).get("steps") or 0)
-                if kind == "plain" and (steps < min_steps or abs(batch - round(batch)) > batch_tolerance):
-                    continue
-                whole = max(1, round(batch))
-                measured, modelled, n_windows, n_steps = sums.get(whole, (0.0, 0.0, 0, 0.0))
-                sums[whole] = (measured + ms * steps, modelled + (fixed + per_row * batch) * steps, n_windows + 1,
-                               n_steps + steps)
+    for _, _, batch, ms, fixed, per_row, steps in kind_windows(runs, model_of, kind):
+        if kind == "plain" and (steps < min_steps or abs(batch - round(batch)) > batch_tolerance):
+            continue
+        whole = max(1, round(batch))
+        measured, modelled, n_windows, n_steps = sums.get(whole, (0.0, 0.0, 0, 0.0))
+        sums[whole] = (measured + ms * steps, modelled + (fixed + per_row * batch) * steps, n_windows + 1,
+                       n_steps + steps)
     return sums
 
 

@@ -151,10 +151,9 @@ def test_noise_recovers_the_simulated_machine() -> None:
 
 
 def test_long_speculative_steps_are_read_at_every_batch_and_not_fast() -> None:
-    """Speculative steps of k = 6 take a third of a window or more, so most windows hold one to three of them: the
-    shape by batch is read from every window's sums (fixed seed), so each batch from one to six rows is there and
-    within 5 % of the machine's (1.0 rising to 1.25), where windows of four steps or more are only the fast ones
-    (the fit's, which read them low)."""
+    """Speculative steps of k = 6 take a third of a window or more, so most windows hold fewer than four of them (the
+    fit's filter): the shape by batch is read from every window's sums (fixed seed), so each batch from one to six
+    rows is there and within 5 % of the machine's (1.0 rising to 1.25)."""
     from benchmarks.step_ratios import noise_windows, step_noise
 
     truth = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]

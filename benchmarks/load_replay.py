@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from benchmarks.load_sim import (  # noqa: E402
     add_replica_arguments,
     replica_fields,
     replica_profiles,
+    report_age_s,
     schedule_kind,
     schedule_policy,
     seeds_arg,
@@ -63,6 +65,7 @@ from benchmarks.named_specs import parse_named_specs  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from policies.base import Policy  # noqa: E402
 from policies.slo import SLOSpec  # noqa: E402
+from sim.decision_replay import last_policy_span, load_histories  # noqa: E402
 from sim.inputs import build_policy  # noqa: E402
 from sim.profile import Profile  # noqa: E402
 from sim.simulator import SimConfig, Simulator  # noqa: E402
@@ -95,12 +98,16 @@ def round_requests(records: list[dict[str, Any]], slo: SLOSpec, tier: str) -> Re
 def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Profile,
                   seeds: list[int], slo_policy: dict[str, Any] | str | None = None,
                   schedules: dict[str, dict[str, Any]] | None = None,
-                  extra: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                  extra: dict[str, dict[str, Any]] | None = None, report_age: str = "off",
+                  ages: dict[tuple[str, int], float] | None = None,
+                  ran_specs: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per configuration of ``report``: its real figures and the simulator's on the same requests
     (``slo_policy``: the spec to simulate for the configuration ``slo`` instead of the one that ran).
     ``schedules`` (name → ``benchmarks/load_sim.py`` schedule spec, e.g. ``{"policy": "trigger", "rows": 2,
     "hold_s": 40, "high": [4, 6]}``) are replayed on the rounds of ``slo`` (else of the report's first
-    configuration), with no real figures."""
+    configuration), with no real figures. ``report_age`` is ``--report-age``; with 'ticks', ``ages`` gives each run's
+    (name, round) median telemetry age, and a spec that did not run takes the age of the run it replays.
+    ``ran_specs``: the specs written out as they ran (:func:`ran`), replayed instead of the report's as given."""
     if isinstance(slo_policy, str):  # a registry name, as load.py's --configs take it
         slo_policy = {"policy": slo_policy}
     if slo_policy is not None and not isinstance(slo_policy, dict):
@@ -115,7 +122,8 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
     names = list(dict.fromkeys(run["name"] for run in runs))
     jobs: list[tuple[str, Any, list[dict[str, Any]]]] = []
     for name in names:
-        spec = slo_policy if name == "slo" and slo_policy is not None else real[name]["spec"] if name in real else None
+        spec = slo_policy if name == "slo" and slo_policy is not None else \
+            (ran_specs or {}).get(name) or (real[name]["spec"] if name in real else None)
         if spec is not None:  # None: "live", whatever policy the controller ran; nothing to replay
             jobs.append((name, spec, [r for r in runs if r["name"] == name]))
     host = "slo" if "slo" in names else names[0]
@@ -133,8 +141,12 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
         per_round = []
         for run in name_runs:
             requests = round_requests(run["records"], slo, tier)
+            measured = (ages or {}).get((run["name"], int(run["round"])))
+            if report_age == "ticks" and measured is None:
+                raise ValueError(f"--report-age ticks: no telemetry age for {run['name']} round {run['round']}")
             for seed in seeds:
-                config = SimConfig(seed=seed, replicas=1, max_batch=8, k=4, control_interval_s=interval_s)
+                config = SimConfig(seed=seed, replicas=1, max_batch=8, k=4, control_interval_s=interval_s,
+                                   report_age_s=report_age_s(report_age, seed, interval_s, measured))
                 if schedule_kind(spec):
                     policy: Policy = schedule_policy(spec, slo, tier, float(report.get("phase_s") or 40.0))
                 else:
@@ -180,10 +192,46 @@ def replay_options(args: argparse.Namespace) -> dict[str, Any]:
         extra = parse_named_specs(args.configs, "--config")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if args.report_age != "ticks":
+        try:
+            report_age_s(args.report_age, 0)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if args.ttft_ms is not None and not (args.ttft_ms > 0 and np.isfinite(args.ttft_ms)):
         raise SystemExit(f"--ttft-ms must be a positive number, got {args.ttft_ms}")
     return {"profile": profile, "policy_profile": policy_profile, "slo_policy": slo_policy, "schedules": schedules,
             "extra": extra}
+
+
+def ticks_file(path: str) -> Path:
+    """The ticks file ``benchmarks/load.py --ticks`` wrote beside the report ``path``: ``<stem>_ticks.json.gz``."""
+    return Path(path).with_name(Path(path).stem + "_ticks.json.gz")
+
+
+def ran(path: str) -> tuple[dict[tuple[str, int], float], dict[str, Mapping[str, Any]]]:
+    """From the report's ticks file (empty where there is none): each run's median telemetry age (s), by (name,
+    round), and the spec each configuration ran, written out (``resolved_policy``), by name. Live a run's report
+    phase drifts by a few ms a minute, so its median is the run's age; the written-out spec rebuilds what ran
+    after a default changed (a report's ``spec`` is as given: ``{"policy": "slo"}``)."""
+    ticks = ticks_file(path)
+    if not ticks.exists():
+        return {}, {}
+    try:
+        histories = load_histories(ticks)
+    except ValueError as exc:
+        raise SystemExit(f"cannot read {ticks}: {exc}") from None
+    ages: dict[tuple[str, int], float] = {}
+    specs: dict[str, Mapping[str, Any]] = {}
+    for label, history in histories.items():
+        name, _, rnd = label.rpartition(":")
+        values = [h["telemetry"]["age_s"] for h in history
+                  if h.get("telemetry") and h["telemetry"].get("age_s") is not None]
+        if values:
+            ages[(name, int(rnd))] = float(np.median(values))
+        spec = last_policy_span(history).spec
+        if spec is not None:
+            specs.setdefault(name, spec)
+    return ages, specs
 
 
 def replay_one(path: str, args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
@@ -199,8 +247,12 @@ def replay_one(path: str, args: argparse.Namespace, options: dict[str, Any]) -> 
         except (KeyError, TypeError) as exc:
             raise SystemExit(f"cannot read the report's tier SLO: {exc}") from None
     try:
+        ages, specs = ran(path)
+        if args.report_age == "ticks" and not ages:
+            raise ValueError(f"--report-age ticks: no telemetry ages in {ticks_file(path)}")
         configs = replay_report(report, options["profile"], options["policy_profile"], args.seeds,
-                                options["slo_policy"], options["schedules"], options["extra"])
+                                options["slo_policy"], options["schedules"], options["extra"], args.report_age, ages,
+                                specs)
     except (KeyError, ValueError) as exc:
         raise SystemExit(f"cannot replay {path}: {exc}") from None
     tier = SLOSpec.model_validate(report["slo"]).tiers[report["tier"]].model_dump()
@@ -246,7 +298,7 @@ def main() -> int:
     ap.add_argument("reports", nargs="+", metavar="report",
                     help="benchmarks/load.py reports (JSON with per-round records); with several, each is replayed and "
                          "the report adds how far the simulator was from each configuration's real figures, pooled")
-    add_replica_arguments(ap)
+    add_replica_arguments(ap, ticks=True)
     ap.add_argument("--slo-policy", default=None,
                     help="JSON policy spec to simulate for the 'slo' configuration (default: the one the report ran)")
     ap.add_argument("--schedules", default=None,

@@ -351,8 +351,9 @@ def by_seed(configs: list[dict[str, Any]], rows: Mapping[str, list[tuple[float, 
     return out
 
 
-def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
-    """The replica's profile (the simulated truth), the policies' profile, and the knobs that move the host."""
+def add_replica_arguments(ap: argparse.ArgumentParser, ticks: bool = False) -> None:
+    """The replica's profile (the simulated truth), the policies' profile, the knobs that move the host, and the
+    control loop's lag (``ticks``: offer the runs' measured ages, for a replay)."""
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE_PATH), help="the replica's profile (the simulated truth)")
     ap.add_argument("--policy-profile", default=None,
                     help="profile the policies' models come from (default: --profile); another one simulates a "
@@ -374,6 +375,12 @@ def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--step-noise", default=None,
                     help="a benchmarks/step_ratios.py --noise report: the replica's steps depart from its profile as "
                          "the live windows measured there (shape by batch, drift, jitter; see with_step_noise)")
+    ap.add_argument("--report-age", default="off",
+                    help="the live control loop's lag (SimConfig.report_age_s): 'off' (telemetry of the tick's "
+                         "instant, the decision 0.05 s after it), a number of seconds, 'uniform' (each seed its own "
+                         "report phase, uniform over the control interval, the same for every configuration: live "
+                         "a run's phase is where the replica's report timer has drifted to)"
+                         + (", or 'ticks' (each run's median age_s in the report's ticks file)" if ticks else ""))
 
 
 def replica_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,7 +388,29 @@ def replica_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {"profile": Path(args.profile).name, "policy_profile": Path(args.policy_profile or args.profile).name,
             "step_overhead_ms": args.step_overhead_ms, "forward_overhead_ms": args.forward_overhead_ms,
             "plain_step_scale": args.plain_step_scale, "speculative_step_scale": args.speculative_step_scale,
-            "step_noise": args.step_noise}
+            "step_noise": args.step_noise, "report_age": args.report_age}
+
+
+# Spawn key of the report phase's RNG stream (any constant): the phase moves no other draw.
+_REPORT_PHASE_STREAM = 0xA6E
+
+
+def report_age_s(option: str, seed: int, interval_s: float = 1.0, measured: float | None = None) -> float | None:
+    """``--report-age`` for one simulated run: None (off), the seconds given, the seed's uniform draw over the
+    interval, or ``measured`` (the run's own, for 'ticks'; None where the run kept none)."""
+    if option == "off":
+        return None
+    if option == "uniform":
+        return float(np.random.default_rng([seed, _REPORT_PHASE_STREAM]).uniform(0.0, interval_s))
+    if option == "ticks":
+        return measured
+    try:
+        age = float(option)
+    except ValueError:
+        raise ValueError(f"--report-age must be off, uniform, ticks or seconds, got {option!r}") from None
+    if not 0.0 <= age < interval_s:
+        raise ValueError(f"--report-age {age} must be in [0, the control interval {interval_s})")
+    return age
 
 
 def replica_profiles(args: argparse.Namespace) -> tuple[Profile, Profile]:
@@ -425,6 +454,12 @@ def main() -> int:
     ap.add_argument("--configs", default=None, help="JSON object name -> policy spec (default: the grid of docs/figures.md's real runs)")
     ap.add_argument("--out", default="results/load_sim.json")
     args = ap.parse_args()
+    if args.report_age == "ticks":
+        raise SystemExit("--report-age ticks reads a live run's ticks: benchmarks/load_replay.py")
+    try:
+        report_age_s(args.report_age, 0)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     low, high = (float(x) for x in args.rates.split(","))
     slo = load_slo(args.tier, args.tpot_ms)
     profile, policy_profile = replica_profiles(args)
@@ -449,7 +484,8 @@ def main() -> int:
                     raise SystemExit(f"--configs {name!r}: {exc}") from None
             else:
                 policy = build_policy(spec if isinstance(spec, str) else json.dumps(spec), slo, policy_profile)
-            result = Simulator(SimConfig(seed=seed, replicas=1, max_batch=8, k=4), profile, slo, workload, policy).run()
+            config = SimConfig(seed=seed, replicas=1, max_batch=8, k=4, report_age_s=report_age_s(args.report_age, seed))
+            result = Simulator(config, profile, slo, workload, policy).run()
             tier = result.summary["tiers"][args.tier]
             rows[name].append((float(tier["slo_attainment"]), float(tier.get("mean_distortion") or 0.0)))
             burst[name].append(high_phase_tpot_ms(result.records, args.phase_s))

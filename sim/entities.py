@@ -88,7 +88,9 @@ class WindowBins:
     SPEC_ITERS, SPEC_MS, SPEC_ROWS, SPEC_DRAFT_FORWARDS, SPEC_DRAFTED_ROW_FORWARDS = 8, 9, 10, 11, 12
     BASE = 13
 
-    def __init__(self, interval_s: float, horizon_s: float, n_tiers: int) -> None:
+    def __init__(self, interval_s: float, horizon_s: float, n_tiers: int, offset_s: float = 0.0) -> None:
+        """``offset_s``: windows close ``offset_s`` before each tick (at the replicas' reports, which the
+        tick then reads: ``SimConfig.report_age_s``)."""
         self.interval_s = interval_s
         self.n_tiers = n_tiers
         self.n_features = self.BASE + 3 * n_tiers
@@ -99,11 +101,12 @@ class WindowBins:
         self.sums = np.zeros((n_bins, self.n_features))
         # Tick times w·interval for w < n_bins − 1: bin_of is one binary search in them, and a time
         # past the last lands in the last bin (past the horizon: a bin no tick reads).
-        self.tick_s = np.arange(n_bins - 1) * interval_s
+        self.tick_s = np.arange(n_bins - 1) * interval_s - offset_s
         self.completed: dict[int, list[int]] = {}
 
     def bin_of(self, t: np.ndarray) -> np.ndarray:
-        """Bins of times ``t``: the number of ticks w·interval strictly before each (= ceil(t / interval))."""
+        """Bins of times ``t``: the number of window ends w·interval − offset strictly before each (= ceil((t +
+        offset) / interval))."""
         return self.tick_s.searchsorted(t, side="left")
 
     def add(self, bins: np.ndarray, features: np.ndarray) -> None:

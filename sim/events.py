@@ -1,7 +1,7 @@
 """Events: one small class each. The loop pops the earliest (time, order, seq) and calls ``handle``,
 which returns the follow-up events. ``ORDER`` breaks ties at equal times: replicas come up and
 decisions land before arrivals are routed; arrivals join before a segment closes (so a request
-arriving exactly at a boundary joins there); control ticks see everything up to their time.
+arriving exactly at a boundary joins there); reports and control ticks see everything up to their time.
 """
 
 from __future__ import annotations
@@ -76,9 +76,19 @@ class SegmentEnd(Event):
         return sim.on_segment_end(self.time_s, self.replica_id, self.version)
 
 
-class ControlTick(Event):
+class ReplicaReport(Event):
+    """The replicas report (``SimConfig.report_age_s``): the next tick's telemetry is sealed as of now."""
+
     __slots__ = ()
     ORDER = 4
+
+    def handle(self, sim: Simulator) -> list[Event]:
+        return sim.on_replica_report(self.time_s)
+
+
+class ControlTick(Event):
+    __slots__ = ()
+    ORDER = 5
 
     def handle(self, sim: Simulator) -> list[Event]:
         return sim.on_control_tick(self.time_s)

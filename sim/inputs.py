@@ -51,8 +51,14 @@ def load_slo(path: str | None) -> SLOSpec:
 
 def policy_spec(text: str) -> str | dict[str, Any]:
     """A policy name/JSON string, or the mapping in a YAML/JSON file when ``text`` names one."""
+    if text.lstrip().startswith("{"):  # JSON, never a path (a written-out spec is longer than a file name may be)
+        return text
     candidate = Path(text)
-    if candidate.suffix in (".yaml", ".yml", ".json") or candidate.is_file():
+    try:
+        is_file = candidate.is_file()
+    except OSError:  # not a name the filesystem takes: a name or JSON, as given
+        is_file = False
+    if candidate.suffix in (".yaml", ".yml", ".json") or is_file:
         return load_mapping(candidate, "policy")
     return text
 

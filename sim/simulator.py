@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fsd_common.validation import format_validation_error
 from policies.base import Policy
@@ -25,7 +25,7 @@ from policies.telemetry import StepTotals, Telemetry
 from policies.tiers import apply_decision
 from sim.autoscaler import Autoscaler, AutoscalerConfig, replica_startup_s
 from sim.entities import EventCounters, RequestTable, WindowBins
-from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, SegmentEnd
+from sim.events import ApplyDecision, Arrival, ControlTick, Event, ReplicaReady, ReplicaReport, SegmentEnd
 from sim.metrics import fast_summary, latencies_ms, slo_met, summarize, tier_windows, window_summaries
 from sim.profile import Profile
 from sim.replica import DecodeSettings, Replica, ReplicaState, survival_grid
@@ -49,6 +49,14 @@ class SimConfig(BaseModel):
     control_interval_s: float = Field(1.0, gt=0)
     push_delay_s: float = Field(0.05, ge=0, description="decision → replicas latency")
     telemetry_age_s: float = Field(0.0, ge=0, description="staleness reported to the policy")
+    report_age_s: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="the live control loop's lag: the replicas report every control interval, this long before "
+        "each tick, which reads the telemetry as of that report (window, counters, queues), and the decision "
+        "reaches them with the reply to their next report, interval − age after the tick (live a replica's "
+        "report phase drifts by a few ms a minute, so it is one age a run). None: telemetry of the tick's "
+        "instant, the decision push_delay_s after it"
+    )
     div: str | None = Field(None, description="divergence (default: the profile's)")
     k: int | None = Field(None, ge=0, description="initial draft length of every tier (default: the profile's)")
     autoscaler: AutoscalerConfig | None = None
@@ -62,6 +70,13 @@ class SimConfig(BaseModel):
         "apart: added to every answered request's first token and completion as the client sees them (records "
         "and summary), not to the telemetry the policy reads, which live comes from the replicas' stamps"
     )
+
+    @model_validator(mode="after")
+    def _age_within_interval(self) -> SimConfig:
+        if self.report_age_s is not None and self.report_age_s >= self.control_interval_s:
+            raise ValueError(f"report_age_s {self.report_age_s} must be below control_interval_s "
+                             f"{self.control_interval_s}")
+        return self
 
     def policy_replica_bounds(self) -> tuple[int, int] | None:
         """(min, max) replicas a policy may ask for when its ``Decision.replicas`` drives the autoscaler
@@ -163,7 +178,7 @@ class Simulator:
             self.arrival_horizon_s = last_arrival
         self.end_s = self.arrival_horizon_s + config.drain_timeout_s
         self.bins = WindowBins(config.control_interval_s, self.end_s + config.control_interval_s,
-                               len(self.tier_names))
+                               len(self.tier_names), offset_s=config.report_age_s or 0.0)
         self._tick = 0
         self._routable_cache: list[Replica] | None = None
         self._live_cache: list[Replica] = []
@@ -173,7 +188,9 @@ class Simulator:
         for _ in range(config.replicas):
             self._new_replica(0.0, 0.0)
         self._next_arrival = 0
-        self._last_tick_s = 0.0
+        self._window_end_s = 0.0  # where the last window closed: the last tick, or report (report_age_s)
+        self._reported: tuple[Telemetry, int] | None = None  # the last report's telemetry and SLO-met count
+        self._last_report_due = False  # the work is done; one more report reads what ended after the last
         self.timeseries: dict[str, list[float]] = {}
         self.ignored_draft_lengths: set[int] = set()
         self._progress: Any = None
@@ -397,20 +414,43 @@ class Simulator:
                     out.append(SegmentEnd(moved, r.id, r.version))
         return out
 
-    def on_control_tick(self, now: float) -> list[Event]:
-        telemetry = self._telemetry(now)
-        decision = self.policy.decide(telemetry)
-        out: list[Event] = [ApplyDecision(now + self.config.push_delay_s, decision)]
-        out += self._autoscale(now, telemetry)
-        self._last_tick_s = now
+    def on_replica_report(self, now: float) -> list[Event]:
+        """Seal the next tick's window as of now (``report_age_s``); the tick reads it."""
+        age = self.config.report_age_s
+        assert age is not None
+        self._reported = self._telemetry(now, time_s=now + age, age_s=age)
+        self._window_end_s = now
         self.counters.reset()
+        return []
+
+    def on_control_tick(self, now: float) -> list[Event]:
+        age = self.config.report_age_s
+        interval = self.config.control_interval_s
+        if age is None:
+            telemetry, met = self._telemetry(now, time_s=now, age_s=self.config.telemetry_age_s)
+            self._window_end_s = now
+            self.counters.reset()
+            push_s = now + self.config.push_delay_s
+        else:
+            assert self._reported is not None, "a report precedes every tick"
+            telemetry, met = self._reported
+            push_s = now + interval - age  # with the reply to the replicas' next report
+        self._record_tick(telemetry, met)
+        decision = self.policy.decide(telemetry)
+        out: list[Event] = [ApplyDecision(push_s, decision)]
+        out += self._autoscale(now, telemetry)
         work_left = self._next_arrival < self.table.n or any(
             r.segment is not None or r.queue for r in self.replicas
         )
+        if not work_left and age is not None and not self._last_report_due:
+            # What ended after the last report (up to this tick) is read at the next one.
+            work_left = self._last_report_due = True
         # Tick w at exactly w·interval, so it reads bin w (see WindowBins).
         self._tick += 1
-        nxt = (self._tick + 1) * self.config.control_interval_s
+        nxt = (self._tick + 1) * interval
         if work_left and nxt <= self.end_s:
+            if age is not None:
+                out.append(ReplicaReport(nxt - age))
             out.append(ControlTick(nxt))
         if self._progress is not None:
             self._progress.update(now - self._progress.n)
@@ -448,8 +488,10 @@ class Simulator:
 
     # ---------------------------------------------------------------- telemetry
 
-    def _telemetry(self, now: float) -> Telemetry:
-        window_s = max(now - self._last_tick_s, 1e-9)
+    def _telemetry(self, now: float, time_s: float, age_s: float) -> tuple[Telemetry, int]:
+        """The window that closes now (bin ``tick + 1``), stamped ``time_s`` (the tick that reads it), and how many
+        of its completions met their tier's SLO."""
+        window_s = max(now - self._window_end_s, 1e-9)
         w = self._tick + 1
         sums = self.bins.window(w)
         tokens = float(sums[WindowBins.TOKENS])
@@ -458,7 +500,7 @@ class Simulator:
         distortion = float(sums[WindowBins.DISTORTION])
         # Completions registered in this bin, minus any a truncation voided or moved: a few ids, sorted
         # and unique (cheaper than np.unique at this size).
-        completion_s, last = self.table.completion_s, self._last_tick_s
+        completion_s, last = self.table.completion_s, self._window_end_s
         done_list = sorted({rid for rid in self.bins.completed.pop(w, ()) if last < completion_s[rid] <= now})
         bins = self.bins
         fast = window_summaries(self.table, done_list, self.slo, self.thresholds, sums[bins.tier_tokens],
@@ -482,7 +524,7 @@ class Simulator:
         in_flight = self.counters.admitted_total - self._completed_total
         k = self.k
         tel = Telemetry(
-            time_s=now,
+            time_s=time_s,
             window_s=window_s,
             arrivals=self.counters.arrivals,
             completions=len(done_list),
@@ -510,11 +552,10 @@ class Simulator:
                 steps=int(round(spec_iters)), ms=spec_ms, rows=int(round(spec_rows)),
                 draft_forwards=int(round(sums[WindowBins.SPEC_DRAFT_FORWARDS])), verify_tokens=int(round(drafted)),
                 drafted_row_forwards=int(round(sums[WindowBins.SPEC_DRAFTED_ROW_FORWARDS]))),
-            age_s=self.config.telemetry_age_s,
+            age_s=age_s,
             tiers=tiers,
         )
-        self._record_tick(tel, n_met)
-        return tel
+        return tel, n_met
 
     def _record_tick(self, tel: Telemetry, met: int) -> None:
         ts = self.timeseries
@@ -562,6 +603,8 @@ class Simulator:
         self.on_apply_decision(0.0, self.policy.decide(initial))
         if self.table.n:
             self._push(Arrival(float(self.table.arrival_s[0]), 0))
+        if self.config.report_age_s is not None:
+            self._push(ReplicaReport(self.config.control_interval_s - self.config.report_age_s))
         self._push(ControlTick(self.config.control_interval_s))
         heap = self._heap
         end_s = self.end_s

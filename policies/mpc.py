@@ -265,7 +265,7 @@ class ModelPredictivePolicy:
         model: OperatingModel | None = None,
         max_batch: int = 8,
         prompt_tokens: float = 200.0,
-        initial_margin: float = 1.3,
+        initial_margin: float = 1.7,
         margin_gain_up: float = 0.6,
         margin_gain_down: float = 0.1,
         margin_limits: tuple[float, float] = (1.0, 4.0),

@@ -104,7 +104,7 @@ class MPCParams(_Params):
     model: str | None = Field(None, description="operating-model JSON (None: the injected one, else the default pair's)")
     max_batch: int = Field(8, ge=1)
     prompt_tokens: float = Field(200.0, ge=0)
-    initial_margin: float = Field(1.3, ge=1)
+    initial_margin: float = Field(1.7, ge=1)
     margin_gain_up: float = Field(0.6, ge=0)
     margin_gain_down: float = Field(0.1, ge=0)
     margin_limits: tuple[float, float] = (1.0, 4.0)

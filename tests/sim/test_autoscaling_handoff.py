@@ -17,6 +17,10 @@ from tests.sim.conftest import handmade_profile, make_workload, run_sim
 
 BURST_AT_S = 150.0
 STARTUP_S = 60.0
+# The burst's backlog drains by ~300 s; then the margin the policy started with relaxes as the tier meets (over
+# minutes: margin_gain_down), and T with it: at the initial margin of 1.7 (session 43) T is back under 0.1 by
+# ~550 s, at 1.3 by ~350 s.
+DURATION_S = 650.0
 
 
 @cache  # two tests read the same deterministic runs
@@ -24,7 +28,7 @@ def _burst_run(autoscale: bool, low: float = 0.05, high: float = 1.0) -> SimResu
     profile = handmade_profile()
     slo = SLOSpec.default()
     workload = make_workload(
-        duration_s=450.0,
+        duration_s=DURATION_S,
         arrivals={"kind": "step", "steps": [{"at_s": 0, "rate": low}, {"at_s": BURST_AT_S, "rate": high}]},
         prompt_tokens={"kind": "fixed", "value": 200}, output_tokens={"kind": "fixed", "value": 150},
         tier_mix={"standard": 1},
@@ -53,10 +57,11 @@ def test_burst_raises_t_while_replicas_start_and_t_falls_back_once_they_serve() 
     peak = int(target.max())
     assert peak >= 3, peak
     full = t[np.argmax(serving >= peak)]
-    assert full >= first_ask + STARTUP_S, (first_ask, full)
+    # (A tick's record precedes its autoscaling: replicas started at tick w show in the record of w + 1.)
+    assert full >= first_ask - 1 + STARTUP_S, (first_ask, full)
     short = (t > first_ask) & (t < full)
     # Once they serve, the backlog of the burst drains first, then T falls back (the last 100 s).
-    after = t > 350
+    after = t > DURATION_S - 100
     assert full < 300 and short.sum() >= 20 and after.sum() >= 50
     # T absorbs the burst while the replicas start, within the tier's budget...
     assert threshold[short].max() >= 0.5, threshold[short]

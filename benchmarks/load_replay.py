@@ -107,7 +107,7 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
     "hold_s": 40, "high": [4, 6]}``) are replayed on the rounds of ``slo`` (else of the report's first
     configuration), with no real figures. ``report_age`` is ``--report-age``; with 'ticks', ``ages`` gives each run's
     (name, round) median telemetry age, and a spec that did not run takes the age of the run it replays.
-    ``ran_specs``: the specs written out as they ran (:func:`ran`), replayed instead of the report's as given."""
+    ``ran_specs``: the specs written out as they ran (:func:`recorded_runs`), replayed instead of the report's as given."""
     if isinstance(slo_policy, str):  # a registry name, as load.py's --configs take it
         slo_policy = {"policy": slo_policy}
     if slo_policy is not None and not isinstance(slo_policy, dict):
@@ -121,9 +121,15 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
     real = {c["name"]: c for c in report.get("configs", [])}
     names = list(dict.fromkeys(run["name"] for run in runs))
     jobs: list[tuple[str, Any, list[dict[str, Any]]]] = []
+    source: dict[str, str] = {}
     for name in names:
-        spec = slo_policy if name == "slo" and slo_policy is not None else \
-            (ran_specs or {}).get(name) or (real[name]["spec"] if name in real else None)
+        spec: Any
+        if name == "slo" and slo_policy is not None:
+            spec, source[name] = slo_policy, "--slo-policy"
+        elif name in (ran_specs or {}):
+            spec, source[name] = (ran_specs or {})[name], "ran (written out in the ticks)"
+        else:  # no ticks file: the spec as given, under today's defaults
+            spec, source[name] = (real[name]["spec"] if name in real else None), "as given (today's defaults)"
         if spec is not None:  # None: "live", whatever policy the controller ran; nothing to replay
             jobs.append((name, spec, [r for r in runs if r["name"] == name]))
     host = "slo" if "slo" in names else names[0]
@@ -141,12 +147,13 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
         per_round = []
         for run in name_runs:
             requests = round_requests(run["records"], slo, tier)
-            measured = (ages or {}).get((run["name"], int(run["round"])))
-            if report_age == "ticks" and measured is None:
-                raise ValueError(f"--report-age ticks: no telemetry age for {run['name']} round {run['round']}")
+            age = (ages or {}).get((run["name"], int(run["round"])))
+            if report_age == "ticks" and (age is None or not 0.0 <= age < interval_s):
+                raise ValueError(f"--report-age ticks: {run['name']} round {run['round']}'s telemetry age {age} is not "
+                                 f"in [0, the control interval {interval_s})")
             for seed in seeds:
                 config = SimConfig(seed=seed, replicas=1, max_batch=8, k=4, control_interval_s=interval_s,
-                                   report_age_s=report_age_s(report_age, seed, interval_s, measured))
+                                   report_age_s=report_age_s(report_age, seed, interval_s, age))
                 if schedule_kind(spec):
                     policy: Policy = schedule_policy(spec, slo, tier, float(report.get("phase_s") or 40.0))
                 else:
@@ -158,7 +165,7 @@ def replay_report(report: dict[str, Any], profile: Profile, policy_profile: Prof
         by_round = [float(np.mean([a for r, a, _ in per_round if r == rnd])) for rnd in rounds]
         measured = real.get(name)  # None for a schedule: its name is new
         out.append({
-            "name": name, "spec": spec,
+            "name": name, "spec": spec, "spec_source": source.get(name, "--schedules / --config"),
             "real": {"slo_attainment": measured.get("slo_attainment") if measured else None,
                      "mean_distortion_per_token": measured.get("mean_distortion_per_token") if measured else None},
             "sim": {"slo_attainment": float(np.mean([a for _, a, _ in per_round])),
@@ -208,7 +215,7 @@ def ticks_file(path: str) -> Path:
     return Path(path).with_name(Path(path).stem + "_ticks.json.gz")
 
 
-def ran(path: str) -> tuple[dict[tuple[str, int], float], dict[str, Mapping[str, Any]]]:
+def recorded_runs(path: str) -> tuple[dict[tuple[str, int], float], dict[str, Mapping[str, Any]]]:
     """From the report's ticks file (empty where there is none): each run's median telemetry age (s), by (name,
     round), and the spec each configuration ran, written out (``resolved_policy``), by name. Live a run's report
     phase drifts by a few ms a minute, so its median is the run's age; the written-out spec rebuilds what ran
@@ -247,7 +254,7 @@ def replay_one(path: str, args: argparse.Namespace, options: dict[str, Any]) -> 
         except (KeyError, TypeError) as exc:
             raise SystemExit(f"cannot read the report's tier SLO: {exc}") from None
     try:
-        ages, specs = ran(path)
+        ages, specs = recorded_runs(path)
         if args.report_age == "ticks" and not ages:
             raise ValueError(f"--report-age ticks: no telemetry ages in {ticks_file(path)}")
         configs = replay_report(report, options["profile"], options["policy_profile"], args.seeds,

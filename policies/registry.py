@@ -252,9 +252,13 @@ _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any, SLOSpec, _Context], Pol
 
 #: Parameters added with a default that changes what the policy did before them, per policy name, with the value
 #: that does what it did. A resolved spec (every parameter written out, ``resolve_spec``) recorded before one of them
-#: existed lacks it; filled with this value, it rebuilds the policy that ran (``sim.decision_replay``).
+#: existed lacks it; filled with this value, it rebuilds the policy that ran (``sim.decision_replay``). Also a
+#: default changed since specs were written out (session 40): a spec recorded as given, not written out, ran it.
 ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {
-    "mpc": {"relax_delay_s": 0.0},  # session 34: default 4 s
+    "mpc": {
+        "relax_delay_s": 0.0,  # session 34: default 4 s
+        "initial_margin": 1.3,  # session 43: default 1.7; every spec recorded as given ran 1.3
+    },
 }
 
 #: Names ``make_policy`` accepts.

@@ -67,7 +67,8 @@ class WindowBins:
     """Per-control-window sums, binned by the tick that closes the window.
 
     Tick ``w`` happens at ``w·interval`` and closes the window ``((w−1)·interval, w·interval]``; an
-    iteration ending at time t lands in bin ``ceil(t / interval)``. Replicas add a whole drawn
+    iteration ending at time t lands in bin ``ceil(t / interval)``. With ``offset_s`` (the replicas' reports,
+    ``SimConfig.report_age_s``) every window closes ``offset_s`` earlier, at the report tick ``w`` reads. Replicas add a whole drawn
     segment when they draw it and subtract the iterations a truncation voids, so a tick reads its bin
     (:meth:`window`) without touching any replica: iterations that end before a tick can no longer be
     voided. Adds and subtracts go into ``sums`` at once, row by row in the order they come, by a compiled
@@ -99,8 +100,8 @@ class WindowBins:
         self.tier_seq_iters = slice(self.BASE + 2 * n_tiers, self.BASE + 3 * n_tiers)
         n_bins = int(math.ceil(horizon_s / interval_s)) + 3
         self.sums = np.zeros((n_bins, self.n_features))
-        # Tick times w·interval for w < n_bins − 1: bin_of is one binary search in them, and a time
-        # past the last lands in the last bin (past the horizon: a bin no tick reads).
+        # Window ends w·interval − offset for w < n_bins − 1 (the ticks' times without an offset): bin_of is one
+        # binary search in them, and a time past the last lands in the last bin (past the horizon: a bin no tick reads).
         self.tick_s = np.arange(n_bins - 1) * interval_s - offset_s
         self.completed: dict[int, list[int]] = {}
 

@@ -47,14 +47,15 @@ class SimConfig(BaseModel):
     max_queue: int = Field(64, ge=0, description="queued requests per replica before rejecting")
     routing: Routing = "power_of_two"
     control_interval_s: float = Field(1.0, gt=0)
-    push_delay_s: float = Field(0.05, ge=0, description="decision → replicas latency")
-    telemetry_age_s: float = Field(0.0, ge=0, description="staleness reported to the policy")
+    push_delay_s: float = Field(0.05, ge=0, description="decision → replicas latency (not with report_age_s)")
+    telemetry_age_s: float = Field(0.0, ge=0, description="staleness reported to the policy (not with report_age_s)")
     report_age_s: float | None = Field(
         None, ge=0, allow_inf_nan=False,
         description="the live control loop's lag: the replicas report every control interval, this long before "
         "each tick, which reads the telemetry as of that report (window, counters, queues), and the decision "
         "reaches them with the reply to their next report, interval − age after the tick (live a replica's "
-        "report phase drifts by a few ms a minute, so it is one age a run). None: telemetry of the tick's "
+        "report phase drifts by a few ms a minute, so it is one age a run): the report is sealed first, then the "
+        "decision applied, as a replica applies the reply to the report it sent. None: telemetry of the tick's "
         "instant, the decision push_delay_s after it"
     )
     div: str | None = Field(None, description="divergence (default: the profile's)")
@@ -190,6 +191,7 @@ class Simulator:
         self._next_arrival = 0
         self._window_end_s = 0.0  # where the last window closed: the last tick, or report (report_age_s)
         self._reported: tuple[Telemetry, int] | None = None  # the last report's telemetry and SLO-met count
+        self._pending: Decision | None = None  # the last tick's decision, applied at the next report
         self._last_report_due = False  # the work is done; one more report reads what ended after the last
         self.timeseries: dict[str, list[float]] = {}
         self.ignored_draft_lengths: set[int] = set()
@@ -415,13 +417,15 @@ class Simulator:
         return out
 
     def on_replica_report(self, now: float) -> list[Event]:
-        """Seal the next tick's window as of now (``report_age_s``); the tick reads it."""
+        """The replicas report (``report_age_s``): seal the next tick's window as of now, then apply the last
+        tick's decision, which rides the reply to this report."""
         age = self.config.report_age_s
         assert age is not None
-        self._reported = self._telemetry(now, time_s=now + age, age_s=age)
+        self._reported = self._telemetry(now, time_s=(self._tick + 1) * self.config.control_interval_s, age_s=age)
         self._window_end_s = now
         self.counters.reset()
-        return []
+        decision, self._pending = self._pending, None
+        return [] if decision is None else self.on_apply_decision(now, decision)
 
     def on_control_tick(self, now: float) -> list[Event]:
         age = self.config.report_age_s
@@ -430,14 +434,17 @@ class Simulator:
             telemetry, met = self._telemetry(now, time_s=now, age_s=self.config.telemetry_age_s)
             self._window_end_s = now
             self.counters.reset()
-            push_s = now + self.config.push_delay_s
         else:
             assert self._reported is not None, "a report precedes every tick"
             telemetry, met = self._reported
-            push_s = now + interval - age  # with the reply to the replicas' next report
+        # The settings recorded beside the window are those in force at the tick (with the lag, from the report on).
         self._record_tick(telemetry, met)
         decision = self.policy.decide(telemetry)
-        out: list[Event] = [ApplyDecision(push_s, decision)]
+        out: list[Event] = []
+        if age is None:
+            out.append(ApplyDecision(now + self.config.push_delay_s, decision))
+        else:
+            self._pending = decision  # with the reply to the replicas' next report
         out += self._autoscale(now, telemetry)
         work_left = self._next_arrival < self.table.n or any(
             r.segment is not None or r.queue for r in self.replicas

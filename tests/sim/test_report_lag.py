@@ -22,14 +22,17 @@ from tests.sim.test_draft_lengths import Flipper
 
 
 def test_a_tick_reads_the_window_that_closed_at_the_last_report() -> None:
-    """Every tick w (at w s) sees the arrivals of ((w − 1) − age, w − age], its own time, the age, a one-second
-    window; the arrivals after the report wait for the next tick."""
+    """Every tick w (at w s) sees the arrivals and completions of ((w − 1) − age, w − age] and the requests in
+    flight at w − age, its own time, the age, a one-second window; what comes after the report waits for the next
+    tick."""
     slo = SLOSpec.default()
     age = 0.4
     w = make_workload(duration_s=60.0, arrivals={"kind": "poisson", "rate": 2.0})
     policy = Recorder(StaticPolicy(slo, 0.5))
     res = run_sim(w, policy, slo=slo, replicas=1, seed=5, report_age_s=age)
     arrivals = np.sort(res.records["arrival_s"])
+    completions = res.records["completion_s"]
+    assert not np.isnan(completions).any() and res.summary["rejected"] == 0
     windows = policy.entries[1:]  # the first is the empty pre-traffic window
     assert len(windows) >= 60
     for w_index, entry in enumerate(windows, start=1):
@@ -39,21 +42,31 @@ def test_a_tick_reads_the_window_that_closed_at_the_last_report() -> None:
         closed = w_index - age
         expected = int(((arrivals > closed - 1.0) & (arrivals <= closed)).sum())
         assert t["arrivals"] == expected, (w_index, t["arrivals"], expected)
+        done = int(((completions > closed - 1.0) & (completions <= closed)).sum())
+        assert t["completions"] == done, (w_index, t["completions"], done)
+        assert t["in_flight"] == int((arrivals <= closed).sum() - (completions <= closed).sum())
 
 
-def test_a_decision_lands_with_the_next_report() -> None:
-    """The tick at 1 s decides on the report of 0.6 s and its decision lands at the next report, 1.6 s; the next
-    report and tick follow at 1.6 s and 2 s. Without the lag the decision lands push_delay_s after the tick."""
+def test_a_decision_lands_with_the_next_report_after_it_is_sealed() -> None:
+    """The tick at 1 s decides (k 2 → 6) on the report of 0.6 s; nothing changes until the next report, 1.6 s,
+    which is sealed first (it reports k = 2, for the tick at 2 s) and then applies the decision, as a replica
+    applies the reply to the report it sent. Without the lag the decision lands push_delay_s after the tick."""
     slo = SLOSpec.default()
     w = make_workload(duration_s=10.0, arrivals={"kind": "poisson", "rate": 1.0})
-    lagged = Simulator(SimConfig(seed=1, replicas=1, report_age_s=0.4), handmade_profile(), slo, w, StaticPolicy(slo, 0.5))
+    policy = StaticPolicy(slo, 0.5, draft_lengths=6)
+    lagged = Simulator(SimConfig(seed=1, replicas=1, k=2, report_age_s=0.4), handmade_profile(), slo, w, policy)
     assert lagged.on_replica_report(0.6) == []
     events = lagged.on_control_tick(1.0)
-    applied = [e.time_s for e in events if isinstance(e, ApplyDecision)]
-    assert applied == [pytest.approx(1.6)]
+    assert not any(isinstance(e, ApplyDecision) for e in events)
     assert [e.time_s for e in events if isinstance(e, ReplicaReport)] == [pytest.approx(1.6)]
     assert [e.time_s for e in events if isinstance(e, ControlTick)] == [2.0]
-    instant = Simulator(SimConfig(seed=1, replicas=1), handmade_profile(), slo, w, StaticPolicy(slo, 0.5))
+    assert set(lagged.draft_lengths.values()) == {2}
+    lagged.on_replica_report(1.6)
+    assert lagged._reported is not None
+    sealed = lagged._reported[0]
+    assert (sealed.time_s, sealed.age_s, sealed.draft_length) == (2.0, 0.4, 2)
+    assert set(lagged.draft_lengths.values()) == {6}
+    instant = Simulator(SimConfig(seed=1, replicas=1, k=2), handmade_profile(), slo, w, policy)
     events = instant.on_control_tick(1.0)
     assert [e.time_s for e in events if isinstance(e, ApplyDecision)] == [pytest.approx(1.05)]
     assert not any(isinstance(e, ReplicaReport) for e in events)
@@ -115,7 +128,7 @@ def test_report_age_options_for_the_twin_and_the_replay(tmp_path: Path) -> None:
     """``--report-age``: 'uniform' is the seed's own phase in [0, interval), the same for every configuration of the
     seed; a number is itself; 'ticks' reads each run's median age from the report's ticks file, which also gives the
     spec each configuration ran, written out (so a default changed since does not change the replay)."""
-    from benchmarks.load_replay import ran
+    from benchmarks.load_replay import recorded_runs
     from benchmarks.load_sim import report_age_s
     from policies.registry import resolve_spec
 
@@ -135,10 +148,10 @@ def test_report_age_options_for_the_twin_and_the_replay(tmp_path: Path) -> None:
             {"name": "plain", "round": 1, "history": [{"time_s": 1.0, "telemetry": {"age_s": 0.3}}]}]
     with gzip.open(tmp_path / "load_x_ticks.json.gz", "wt") as f:
         json.dump({"runs": runs}, f)
-    ages, specs = ran(str(tmp_path / "load_x.json"))
+    ages, specs = recorded_runs(str(tmp_path / "load_x.json"))
     assert ages == {("slo", 0): pytest.approx(0.91), ("plain", 1): 0.3}
     assert specs == {"slo": written}
-    assert ran(str(tmp_path / "no_such_report.json")) == ({}, {})
+    assert recorded_runs(str(tmp_path / "no_such_report.json")) == ({}, {})
 
 
 def test_a_written_out_spec_builds_as_given_not_as_a_path() -> None:

@@ -348,6 +348,27 @@ def machine_offsets(runs: list[list[Mapping[str, Any]]], model_of: list[Operatin
     return out
 
 
+def run_attainment(ticks_path: str) -> dict[str, float]:
+    """Each run's attainment by ``NAME:ROUND``, as ``benchmarks/load.py`` scores a round (every target the report's tier
+    states), from the report a ``--ticks`` file names (empty where it names none or the report is not there)."""
+    from benchmarks.load import summarise
+
+    try:
+        p = Path(ticks_path)
+        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        report = json.loads(Path(json.loads(raw)["report"]).read_text())
+        targets = {c["name"]: (c.get("tpot_target_ms"), c.get("ttft_target_ms")) for c in report["configs"]}
+        out = {}
+        for run in report["runs"]:
+            tpot, ttft = targets.get(run["name"], (None, None))
+            score = summarise({**run, "spec": None}, tpot, 1.0, ttft).get("slo_attainment")
+            if score is not None:
+                out[f"{run['name']}:{run['round']}"] = round(float(score), 4)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return out
+
+
 def report_prompt_tokens(ticks_path: str, default: float) -> float:
     """Mean prompt tokens of the requests of the report a ``--ticks`` file names (``default`` where it names none or
     the report is not there)."""
@@ -382,8 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", default=None, metavar="NOISE", help="also each file's steps off the simulated machine "
                     "a --noise report describes (its shape by batch): the mean log offset and its z in the machine's "
                     "spread of a run's offset; is the live machine the one the simulator runs?")
+    ap.add_argument("--per-run", action="store_true", help="with --against: also each run's offsets (its windows "
+                    "alone) beside its attainment from the report the ticks file names: was a run's host slower than "
+                    "its neighbours'? (runs of one seed are minutes apart; the host's speed moves between them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.per_run and not args.against:
+        raise SystemExit("step_ratios: --per-run needs --against NOISE (the machine the offsets are taken from)")
     machine: Mapping[str, Any] | None = None
     if args.against:
         try:
@@ -404,12 +430,19 @@ def main(argv: list[str] | None = None) -> int:
         prompt = report_prompt_tokens(path, args.prompt_tokens) if args.noise else args.prompt_tokens
         cells: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         first_run = len(runs)
-        for history in histories.values():
+        per_run: list[dict[str, Any]] = []
+        attainment = run_attainment(path) if args.per_run else {}
+        for label, history in histories.items():
             span = last_policy_span(history)
             model = span.operating_model or default_model
             runs.append([entry.get("telemetry") or {} for entry in span.ticks])
             models.append(model)
             prompts.append(prompt)
+            if args.per_run and machine is not None:
+                starts = [float(entry["time_s"]) for entry in history if entry.get("time_s") is not None]
+                per_run.append({"run": label, "start_s": round(min(starts), 1) if starts else None,
+                                "slo_attainment": attainment.get(label),
+                                **machine_offsets(runs[-1:], models[-1:], machine)})
             for entry in span.ticks:
                 for kind, batch, ratio in window_ratios(entry.get("telemetry") or {}, model):
                     cells[kind][max(1, round(batch))].append(ratio)
@@ -422,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         if machine is not None:
             out.setdefault("against", {"noise": args.against, "files": {}})["files"][path] = machine_offsets(
                 runs[first_run:], models[first_run:], machine)
+            if args.per_run:
+                out["against"]["files"][path]["runs"] = sorted(per_run, key=lambda r: r["start_s"] or 0.0)
     if args.fits:
         out["fit_errors"] = {name: {group: _error_summary(e) for group, e in sorted(groups.items())}
                              for name, groups in fit_errors(runs, models).items()}

@@ -253,3 +253,42 @@ def test_offsets_against_a_machine_read_how_far_the_runs_sit_from_it(tmp_path: P
     assert against["noise"] == str(noise) and set(against["files"][str(path)]) == {"plain", "speculative"}
     with pytest.raises(SystemExit, match="--against"):
         main([str(path), "--against", str(tmp_path / "missing.json")])
+
+
+def test_per_run_offsets_tell_a_slow_run_from_its_neighbours(tmp_path: Path) -> None:
+    """--per-run: two runs of the same windows, the second's steps 1.3x as long (its host slower), sit log 1.3 apart
+    in each kind's offset; each run carries its attainment from the report the ticks file names, scored as
+    benchmarks/load.py scores a round (every target the tier states); --per-run without --against is refused."""
+    history = recorded_history({"policy": "slo"}, SLOSpec.default())
+    slow = json.loads(json.dumps(history))
+    for entry in slow:
+        for kind in ("plain_steps", "speculative_steps"):
+            steps = (entry.get("telemetry") or {}).get(kind)
+            if steps:
+                steps["ms"] *= 1.3
+    report = tmp_path / "report.json"
+    ok = {"status": 200, "e2e_ms": 5000.0, "ttft_ms": 300.0}
+    records = {"fast": [{**ok, "tpot_ms": 80.0}] * 3 + [{**ok, "tpot_ms": 120.0}],
+               "slow": [{**ok, "tpot_ms": 80.0}, {**ok, "tpot_ms": 80.0, "ttft_ms": 5000.0}, {"status": 503}]}
+    report.write_text(json.dumps({
+        "configs": [{"name": "slo", "tpot_target_ms": 97.0, "ttft_target_ms": 4000.0}],
+        "runs": [{"name": "slo", "round": r, "records": records[name], "t_samples": []}
+                 for r, name in enumerate(("fast", "slow"))]}))
+    path = tmp_path / "ticks.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"report": str(report), "runs": [
+        {"name": "slo", "round": 0, "history": history}, {"name": "slo", "round": 1, "history": slow}]}).encode()))
+    machine = {"plain": {"scale_by_batch": {str(b): {"scale": 1.0} for b in range(1, 9)}},
+               "speculative": {"scale_by_batch": {str(b): {"scale": 1.0} for b in range(1, 9)}}}
+    noise, out = tmp_path / "noise.json", tmp_path / "out.json"
+    noise.write_text(json.dumps({"noise": machine}))
+    assert main([str(path), "--against", str(noise), "--per-run", "--out", str(out)]) == 0
+    runs = {r["run"]: r for r in json.loads(out.read_text())["against"]["files"][str(path)]["runs"]}
+    assert set(runs) == {"slo:0", "slo:1"}
+    assert runs["slo:0"]["slo_attainment"] == 0.75 and runs["slo:1"]["slo_attainment"] == pytest.approx(1 / 3, abs=1e-4)
+    measured = [kind for kind in ("plain", "speculative") if runs["slo:0"][kind]["windows"] > 0]
+    assert "speculative" in measured, runs  # the shipped policy drafts here (plain windows may all be filtered)
+    for kind in measured:
+        gap = runs["slo:1"][kind]["offset"] - runs["slo:0"][kind]["offset"]
+        assert gap == pytest.approx(math.log(1.3), abs=2e-3), (kind, runs)
+    with pytest.raises(SystemExit, match="--per-run needs --against"):
+        main([str(path), "--per-run"])

@@ -204,6 +204,14 @@ class ModelPredictivePolicy:
       fits' noise (each kind is corrected from its own few windows), or k flips back and forth.
     * ``probe_after`` — windows without evidence on a kind of step after which, while a tier is
       measured short, that kind is predicted optimistically (:meth:`_probing`).
+    * ``probe_hold_ticks`` — a probe that switched the kind of step holds it (where nothing is predicted to meet)
+      until a window of that kind is measured, for at most this many ticks (0: off, the default). Its first window
+      is read two ticks on: the decision takes effect at the next report, and the window that report seals ran the
+      kind before; 3 covers that and a window with no step of it. Without it 22 of the 32 probes that switched the
+      kind in the live step loads of seeds 37-80 were undone at the next tick, having measured nothing. Off by
+      default: at 3 it moved nothing measurable (session 44: replays of live seeds 67-80 at their lag -0.001 ±
+      0.008 attainment; the twin with the lag, 180 seeds, -0.003 ± 0.007, held 54 against 55; the held-out and
+      tuning sets unchanged to the digit). Holding a wrong probe costs its slower steps.
     * ``min_samples`` — completions pooled (over windows) before their attainment moves the margin.
     * ``batch_z`` — plan for the batch's upper quantile ``B̄ + z·sqrt(B̄)`` (Poisson occupancy).
     * ``short_enter`` / ``short_exit`` — a tier whose measured attainment (EWMA over pooled samples)
@@ -278,6 +286,7 @@ class ModelPredictivePolicy:
         draft_prior: str = "model",
         switch_margin: float = 0.1,
         probe_after: int = 30,
+        probe_hold_ticks: int = 0,
         min_samples: int = 5,
         batch_z: float = 1.65,
         short_enter: float = 0.05,
@@ -336,6 +345,9 @@ class ModelPredictivePolicy:
         if probe_after < 1:
             raise ValueError(f"probe_after must be >= 1, got {probe_after}")
         self.probe_after = probe_after
+        if probe_hold_ticks < 0:
+            raise ValueError(f"probe_hold_ticks must be >= 0, got {probe_hold_ticks}")
+        self.probe_hold_ticks = probe_hold_ticks
         if not (math.isfinite(batch_z) and batch_z >= 0):
             raise ValueError(f"batch_z must be finite and >= 0, got {batch_z}")
         self.batch_z = batch_z
@@ -561,6 +573,8 @@ class ModelPredictivePolicy:
         # Per tier: the time of the first decision in the current run of decisions that wanted less distortion
         # than the point in force (relax_delay_s).
         self._relax_since: dict[str, float] = {}
+        # A probe that switched the kind of step: (the kind it switched to, plain or not; the tick it did so).
+        self._probe_switch: tuple[bool, int] | None = None
         self._best_effort: dict[str, bool] = {}
         # The (T, k) per tier of the last two windows: a window is steady when both ran its (T, k).
         self._last_configs: list[dict[str, tuple[float, int | None]]] = []
@@ -855,7 +869,7 @@ class ModelPredictivePolicy:
             return None
         if not any(self.short[name] for i, name in enumerate(self.tier_names) if active[i]):
             return None
-        plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
+        plain_now = self._plain_in_force(active)
         if self._ticks - self._last_seen(not plain_now) < self.probe_after:
             return None
         if not plain_now and in_flight > 1:  # a probe of plain steps at a busy batch (docstring)
@@ -887,13 +901,16 @@ class ModelPredictivePolicy:
         """[candidates] traffic share of the tiers that draft (k > 0) in each candidate row of ``ks``."""
         return np.asarray(row_sums((ks > 0) * shares), dtype=float)
 
+    def _plain_in_force(self, active: np.ndarray) -> bool:
+        """Whether the kind of step in force over the ``active`` tiers is plain decoding (every one at k = 0)."""
+        return bool((np.where(active, self._ks_now(), 0) == 0).all())
+
     def _switches_kind(self, plain: np.ndarray, active: np.ndarray) -> np.ndarray:
         """[candidates] 1.0 where a candidate's kind of step (``plain``: every active tier at k = 0)
         differs from the kind in force over the ``active`` tiers, else 0.0 (0.0 before any decision)."""
         if not self.current:
             return np.zeros(plain.size)
-        plain_now = bool((np.where(active, self._ks_now(), 0) == 0).all())
-        return np.asarray(plain != plain_now, dtype=float)
+        return np.asarray(plain != self._plain_in_force(active), dtype=float)
 
     def _current_index(self, act_idx: Sequence[int],
                        tier_points: tuple[tuple[tuple[int, float], ...], ...]) -> int | None:
@@ -1284,6 +1301,22 @@ class ModelPredictivePolicy:
             else:  # nothing as distorting is predicted to meet: relax now
                 for name in names:
                     self._relax_since.pop(name, None)
+        plain_now = self._plain_in_force(active)
+        if self._probe_switch is not None:
+            # A probe holds the kind it switched to until a window of that kind is measured: the next tick's window
+            # still ran the kind before (the decision takes effect at the next report), so without evidence the
+            # prediction is the one the probe overrode, and it switched back at once, the draft's catch-up paid for
+            # nothing (22 of the 32 probes that switched in the live step loads of seeds 37-80, session 44).
+            probed_plain, at = self._probe_switch
+            if self._last_seen(probed_plain) > at or self._ticks - at > self.probe_hold_ticks or plain_now != probed_plain:
+                self._probe_switch = None
+            elif mode != "meets" and bool(u.plain[best]) != probed_plain:
+                same_kind = u.plain == probed_plain
+                if (within & same_kind).any():
+                    best, mode, best_distortion = select(same_kind)
+                    holding += "; held: the probe's kind until a window measures it"
+        if probe is not None and self.current and bool(u.plain[best]) != plain_now:
+            self._probe_switch = (bool(u.plain[best]), self._ticks)
         self._best_effort = {
             name: bool(active[i] and not meets[best, i]) for i, name in enumerate(self.tier_names)
         }
@@ -1491,6 +1524,7 @@ class ModelPredictivePolicy:
             "draft_prior": self.draft_prior,
             "switch_margin": self.switch_margin,
             "probe_after": self.probe_after,
+            "probe_hold_ticks": self.probe_hold_ticks,
             "min_samples": self.min_samples,
             "batch_z": self.batch_z,
             "short_enter": self.short_enter,

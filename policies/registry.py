@@ -124,6 +124,8 @@ class MPCParams(_Params):
                                                "toward the pooled ratio where no window ran")
     switch_margin: float = Field(0.1, ge=0)
     probe_after: int = Field(30, ge=1)
+    probe_hold_ticks: int = Field(0, ge=0, description="a probe that switched the kind of step holds it until a window "
+                                  "of that kind is measured, at most this many ticks (0: off; session 44: no gain)")
     min_samples: int = Field(5, ge=1)
     batch_z: float = Field(1.65, ge=0)
     short_enter: float = Field(0.05, ge=0, le=1)

@@ -173,6 +173,8 @@ def test_bad_parameters_raise_naming_them() -> None:
         ModelPredictivePolicy(make_slo(), toy_model(), switch_margin=-0.1)
     with pytest.raises(ValueError, match="probe_after must be >= 1, got 0"):
         ModelPredictivePolicy(make_slo(), toy_model(), probe_after=0)
+    with pytest.raises(ValueError, match="probe_hold_ticks must be >= 0, got -1"):
+        ModelPredictivePolicy(make_slo(), toy_model(), probe_hold_ticks=-1)
     with pytest.raises(ValueError, match="step_slope_prior must be finite and > 0, got 0.0"):
         ModelPredictivePolicy(make_slo(), toy_model(), step_slope_prior=0.0)
     with pytest.raises(ValueError, match="draft_slope_prior must be finite and > 0 or None, got -1.0"):
@@ -754,6 +756,43 @@ def test_a_tier_missing_its_target_probes_the_kind_of_step_it_has_no_recent_evid
     assert decision.draft_lengths["economy"] == 0 and "probing" not in decision.reason
     decision = ticks(policy, 46, 20, 0, 0.6)  # 30 windows after the last speculative one: probe again
     assert decision.draft_lengths["economy"] == 4 and "probing speculative steps" in decision.reason
+
+
+def test_a_probe_holds_its_kind_until_a_window_of_it_is_measured() -> None:
+    """With ``probe_hold_ticks``: the probe of the test above switches to T = 4, k = 4 at tick 15. Live, the next window still ran plain steps
+    (a decision takes effect at the next report): with no speculative evidence the prediction is the one the probe
+    overrode, yet the probed kind holds (it measured nothing so far). The first speculative window (3x the model)
+    releases it: plain decoding again. Without a speculative window it holds for ``probe_hold_ticks`` (3 here), then
+    lets go; at 0 (the default) the probe is undone at once."""
+    slo = make_slo(economy={"tpot_ms": 5.0})
+
+    def tick(policy: ModelPredictivePolicy, t: int, in_force: int, ran: int, ratio: float) -> Decision:
+        """A window that ran ``ran`` (0: plain steps) at ``ratio`` x the model, the decision in force ``in_force``."""
+        policy.current = {name: (4.0 if in_force else 0.0, in_force) for name in policy.tier_names}
+        ms = ratio * float(policy._step_ms(np.array([[0, 0, ran]]), np.array([0.0, 0.0, 1.0]), 6.0)[0])
+        steps = StepTotals(steps=5, ms=5 * ms, rows=30, draft_forwards=5 * ran, verify_tokens=30 * ran,
+                           drafted_row_forwards=30 * ran)
+        return policy.decide(load(6, arrivals=2, time_s=float(t), tiers=window("economy", k=ran, slo_met=0,
+                                                                                threshold=4.0 if ran else 0.0),
+                                  **{"speculative_steps" if ran else "plain_steps": steps}))
+
+    def probed(hold: int) -> ModelPredictivePolicy:
+        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30, probe_hold_ticks=hold)
+        for t in range(1, 16):
+            decision = tick(policy, t, 0, 0, 0.6)
+        assert decision.draft_lengths["economy"] == 4 and "probing speculative steps" in decision.reason
+        return policy
+
+    policy = probed(3)
+    decision = tick(policy, 16, 4, 0, 0.6)  # the window the probe's decision had not reached
+    assert decision.draft_lengths["economy"] == 4 and "held: the probe's kind" in decision.reason
+    decision = tick(policy, 17, 4, 4, 3.0)  # measured (3x the model): released, and plain decoding is faster
+    assert decision.draft_lengths["economy"] == 0 and "held" not in decision.reason
+
+    policy = probed(3)
+    assert [tick(policy, t, 4, 0, 0.6).draft_lengths["economy"] for t in range(16, 20)] == [4, 4, 4, 0]
+    policy = probed(0)  # off (the default): back to plain decoding at once, nothing measured
+    assert tick(policy, 16, 4, 0, 0.6).draft_lengths["economy"] == 0
 
 
 def test_a_probe_charges_the_catch_up_to_the_rows_running_not_to_every_request_after() -> None:

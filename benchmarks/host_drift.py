@@ -6,7 +6,10 @@ this project moves by 20-30 % at that scale (session 44: seed 78's default round
 the machine and reached 0.20 attainment, its other rounds 0.92 and 0.64). This reads every run of each report against
 a simulated machine (a ``benchmarks/step_ratios.py --noise`` report): the offset of its plain steps from the machine
 (log measured / the machine's, its windows alone, :func:`benchmarks.step_ratios.machine_offsets`; plain steps run the
-target alone, so the offset is the host's, not the draft's catch-up that drafting adds) beside its attainment.
+target alone, so the offset is the host's, not the draft's catch-up that drafting adds) beside its attainment. A run's
+first two windows are left out (they can still hold the run before it) and a kind needs five windows for an offset
+(:func:`benchmarks.step_ratios.run_offsets`); T = 4, k = 6 runs have no plain steps, so "the static runs" are in
+practice plain decoding's.
 
 Per report: each run's offset and attainment, each configuration's mean offset and the criterion's verdict, the
 adaptive configuration ``--policy``'s mean offset minus the static configurations' (positive: its runs met a slower
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.load import summarise  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from benchmarks.stats import ci95  # noqa: E402
-from benchmarks.step_ratios import machine_offsets  # noqa: E402
+from benchmarks.step_ratios import run_offsets  # noqa: E402
 from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel  # noqa: E402
 from sim.decision_replay import last_policy_span, load_histories  # noqa: E402
 
@@ -57,8 +60,8 @@ def run_rows(report: dict[str, Any], histories: dict[str, list[Any]], machine: d
         if history is None:
             continue
         span = last_policy_span(history)
-        offsets = machine_offsets([[entry.get("telemetry") or {} for entry in span.ticks]],
-                                  [span.operating_model or default_model], machine)
+        offsets = run_offsets([entry.get("telemetry") or {} for entry in span.ticks],
+                              span.operating_model or default_model, machine)
         tpot, ttft = targets.get(run["name"], (None, None))
         starts = [float(entry["time_s"]) for entry in history if entry.get("time_s") is not None]
         rows.append({"run": label, "name": run["name"], "start_s": min(starts) if starts else None,
@@ -115,6 +118,7 @@ def pooled(per_report: list[dict[str, Any]]) -> dict[str, Any]:
     # slope pooled over every report.
     x: list[float] = []
     y: list[float] = []
+    groups = 0
     for r in per_report:
         by_config: dict[str, list[tuple[float, float]]] = {}
         for run in r["runs"]:
@@ -126,15 +130,18 @@ def pooled(per_report: list[dict[str, Any]]) -> dict[str, Any]:
                 arr -= arr.mean(axis=0)
                 x += arr[:, 0].tolist()
                 y += arr[:, 1].tolist()
+                groups += 1
     xa, ya = np.array(x), np.array(y)
-    if xa.size >= 2 and float(xa @ xa) > 0:
+    dof = xa.size - groups - 1  # a mean per report and configuration, and the slope
+    if dof >= 1 and float(xa @ xa) > 0:
         slope = float(xa @ ya / (xa @ xa))
         resid = ya - slope * xa
-        se = math.sqrt(float(resid @ resid) / max(xa.size - 1, 1) / float(xa @ xa))
-        out["within_config_slope"] = {"runs": int(xa.size), "attainment_per_log_offset": round(slope, 4),
-                                      "ci95": round(1.96 * se, 4)}
+        se = math.sqrt(float(resid @ resid) / dof / float(xa @ xa))
+        # Runs of one report share the host's drift, so the interval is if anything narrow.
+        out["within_config_slope"] = {"runs": int(xa.size), "groups": groups,
+                                      "attainment_per_log_offset": round(slope, 4), "ci95": round(1.96 * se, 4)}
     else:
-        out["within_config_slope"] = {"runs": int(xa.size)}
+        out["within_config_slope"] = {"runs": int(xa.size), "groups": groups}
     corrs = [r["corr_plain_offset_attainment"] for r in per_report if r["corr_plain_offset_attainment"] is not None]
     out["mean_corr_plain_offset_attainment"] = _mean(corrs)
     out["reports_with_negative_corr"] = sum(1 for c in corrs if c < 0)

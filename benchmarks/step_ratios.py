@@ -348,6 +348,24 @@ def machine_offsets(runs: list[list[Mapping[str, Any]]], model_of: list[Operatin
     return out
 
 
+#: A run's own offsets leave out its first windows (they can still hold the steps of the run before it: the load
+#: generator starts the next configuration at once) and need this many windows of a kind: one window is a step or
+#: two, not a host's speed.
+RUN_SKIP_WINDOWS = 2
+RUN_MIN_WINDOWS = 5
+
+
+def run_offsets(telemetry: list[Mapping[str, Any]], model: OperatingModel, machine: Mapping[str, Any],
+                skip: int = RUN_SKIP_WINDOWS, min_windows: int = RUN_MIN_WINDOWS) -> dict[str, Any]:
+    """One run's :func:`machine_offsets` (its windows in order) without its first ``skip`` windows; a kind with fewer
+    than ``min_windows`` windows keeps its count and gets no offset."""
+    out = machine_offsets([list(telemetry[skip:])], [model], machine)
+    for kind, entry in out.items():
+        if entry.get("windows", 0) < min_windows:
+            out[kind] = {"windows": entry.get("windows", 0)}
+    return out
+
+
 def run_attainment(ticks_path: str) -> dict[str, float]:
     """Each run's attainment by ``NAME:ROUND``, as ``benchmarks/load.py`` scores a round (every target the report's tier
     states), from the report a ``--ticks`` file names (empty where it names none or the report is not there)."""
@@ -404,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     "a --noise report describes (its shape by batch): the mean log offset and its z in the machine's "
                     "spread of a run's offset; is the live machine the one the simulator runs?")
     ap.add_argument("--per-run", action="store_true", help="with --against: also each run's offsets (its windows "
-                    "alone) beside its attainment from the report the ticks file names: was a run's host slower than "
+                    "alone, the first two left out, five or more of a kind) beside its attainment from the report the ticks file names: was a run's host slower than "
                     "its neighbours'? (runs of one seed are minutes apart; the host's speed moves between them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -442,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 starts = [float(entry["time_s"]) for entry in history if entry.get("time_s") is not None]
                 per_run.append({"run": label, "start_s": round(min(starts), 1) if starts else None,
                                 "slo_attainment": attainment.get(label),
-                                **machine_offsets(runs[-1:], models[-1:], machine)})
+                                **run_offsets(runs[-1], models[-1], machine)})
             for entry in span.ticks:
                 for kind, batch, ratio in window_ratios(entry.get("telemetry") or {}, model):
                     cells[kind][max(1, round(batch))].append(ratio)

@@ -3,8 +3,9 @@
 Reads ``benchmarks/load.py --ticks`` files (or saved ``/v1/fsd/status`` answers) and, per run of an adaptive policy
 (any run but a static point's), counts the decisions that switched the kind of step of
 that tier, those of them made while probing (the reason says ``probing``: see docs/policies.md, "Probing"), and the
-probes undone at the very next decision: a switch there is made before any window of the probed kind can have been
-measured (a decision takes effect at the next report), so it pays the draft's catch-up and learns nothing. Prints
+probes undone at the very next decision (a switch there is made before any window of the probed kind can have been
+measured: a decision takes effect at the next report, so it pays the draft's catch-up and learns nothing), and the
+decisions made in best effort (nothing predicted to meet). Prints
 JSON (and writes ``--out``)::
 
     .venv/bin/python benchmarks/kind_switches.py docs/img/load_economy_s*_t97_ttft4_s??_ticks.json.gz
@@ -36,8 +37,10 @@ def plain_kinds(history: Sequence[Mapping[str, Any]], tier: str) -> list[tuple[b
 
 
 def count_switches(kinds: Sequence[tuple[bool, str]]) -> dict[str, int]:
-    """Switches of kind, those made while probing, and probes undone at the next decision."""
+    """Switches of kind, those made while probing, probes undone at the next decision, and the decisions made in best
+    effort (nothing predicted to meet: the reason says ``best effort``)."""
     switches = probes = undone = 0
+    best_effort = sum(1 for _, reason in kinds if "best effort" in reason)
     for i in range(1, len(kinds)):
         if kinds[i][0] == kinds[i - 1][0]:
             continue
@@ -46,7 +49,8 @@ def count_switches(kinds: Sequence[tuple[bool, str]]) -> dict[str, int]:
             probes += 1
             if i + 1 < len(kinds) and kinds[i + 1][0] != kinds[i][0]:
                 undone += 1
-    return {"decisions": len(kinds), "switches": switches, "probe_switches": probes, "probes_undone_next_tick": undone}
+    return {"decisions": len(kinds), "switches": switches, "probe_switches": probes, "probes_undone_next_tick": undone,
+            "best_effort_decisions": best_effort}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     files: dict[str, Any] = {}
-    totals = {"runs": 0, "decisions": 0, "switches": 0, "probe_switches": 0, "probes_undone_next_tick": 0}
+    counted = ("decisions", "switches", "probe_switches", "probes_undone_next_tick", "best_effort_decisions")
+    totals = dict.fromkeys(("runs", *counted), 0)
     for path in args.ticks:
         try:
             histories = load_histories(path)
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # a static point: nothing to count
             runs[label] = count_switches(plain_kinds(history, args.tier))
             totals["runs"] += 1
-            for key in ("decisions", "switches", "probe_switches", "probes_undone_next_tick"):
+            for key in counted:
                 totals[key] += runs[label][key]
         files[path] = runs
     emit({"benchmark": "kind_switches", "command": " ".join([sys.executable, *sys.argv]), "tier": args.tier,

@@ -207,8 +207,8 @@ class ModelPredictivePolicy:
     * ``probe_hold_ticks`` — a probe that switched the kind of step holds it (where nothing is predicted to meet)
       until a window of that kind is measured, for at most this many ticks (0: off, the default). Its first window
       is read two ticks on: the decision takes effect at the next report, and the window that report seals ran the
-      kind before; 3 covers that and a window with no step of it. Without it 22 of the 32 probes that switched the
-      kind in the live step loads of seeds 37-80 were undone at the next tick, having measured nothing. Off by
+      kind before; 3 covers that and a window with no step of it. Without it 29 of the 42 probes that switched the
+      kind in the live step loads of seeds 37-82 were undone at the next tick, having measured nothing. Off by
       default: at 3 it moved nothing measurable (session 44: replays of live seeds 67-80 at their lag, 4 reports up
       and 8 down, mean -0.001 attainment; three sets of 60 seeds of the twin with the lag, -0.004 to -0.001, held 54
       against 55; the held-out and tuning sets unchanged to the digit). Holding a wrong probe costs its slower steps.
@@ -1306,7 +1306,7 @@ class ModelPredictivePolicy:
             # A probe holds the kind it switched to until a window of that kind is measured: the next tick's window
             # still ran the kind before (the decision takes effect at the next report), so without evidence the
             # prediction is the one the probe overrode, and it switched back at once, the draft's catch-up paid for
-            # nothing (22 of the 32 probes that switched in the live step loads of seeds 37-80, session 44).
+            # nothing (29 of the 42 probes that switched in the live step loads of seeds 37-82, session 44).
             probed_plain, at = self._probe_switch
             if self._last_seen(probed_plain) > at or self._ticks - at > self.probe_hold_ticks or plain_now != probed_plain:
                 self._probe_switch = None

@@ -21,8 +21,11 @@ def test_switches_probes_and_probes_undone_are_counted() -> None:
     kinds = [(True, ""), (False, "probing speculative steps"), (True, ""),  # a probe undone at once
              (False, "probing speculative steps"), (False, ""), (True, ""),  # a probe that held a tick
              (True, ""), (False, "")]
-    assert count_switches(kinds) == {"decisions": 8, "switches": 5, "probe_switches": 2, "probes_undone_next_tick": 1}
-    assert count_switches([]) == {"decisions": 0, "switches": 0, "probe_switches": 0, "probes_undone_next_tick": 0}
+    assert count_switches(kinds) == {"decisions": 8, "switches": 5, "probe_switches": 2, "probes_undone_next_tick": 1,
+                                     "best_effort_decisions": 0}
+    assert count_switches([(True, "mpc best effort: batch 1"), (True, "mpc meets: batch 1")])["best_effort_decisions"] == 1
+    assert count_switches([]) == {"decisions": 0, "switches": 0, "probe_switches": 0, "probes_undone_next_tick": 0,
+                                  "best_effort_decisions": 0}
 
 
 def test_a_ticks_file_is_read_per_run_and_static_points_are_left_out(tmp_path: Path) -> None:
@@ -39,6 +42,6 @@ def test_a_ticks_file_is_read_per_run_and_static_points_are_left_out(tmp_path: P
     result = json.loads(out.read_text())
     assert list(result["files"][str(path)]) == ["slo:0"]
     assert result["total"] == {"runs": 1, "decisions": 4, "switches": 2, "probe_switches": 1,
-                               "probes_undone_next_tick": 1}
+                               "probes_undone_next_tick": 1, "best_effort_decisions": 3}
     with pytest.raises(SystemExit, match="missing"):
         main([str(tmp_path / "missing.json")])

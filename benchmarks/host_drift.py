@@ -35,24 +35,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load import summarise  # noqa: E402
+from benchmarks.load_replay import ticks_file  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from benchmarks.stats import ci95  # noqa: E402
-from benchmarks.step_ratios import run_offsets  # noqa: E402
+from benchmarks.step_ratios import round_attainment, run_offsets  # noqa: E402
 from policies.operating_model import DEFAULT_MODEL_PATH, OperatingModel  # noqa: E402
 from sim.decision_replay import last_policy_span, load_histories  # noqa: E402
-
-
-def ticks_path(report_path: str) -> Path:
-    """The ticks file ``benchmarks/load.py --ticks`` wrote beside a report: ``<stem>_ticks.json.gz``."""
-    return Path(report_path).with_name(Path(report_path).stem + "_ticks.json.gz")
 
 
 def run_rows(report: dict[str, Any], histories: dict[str, list[Any]], machine: dict[str, Any],
              default_model: OperatingModel) -> list[dict[str, Any]]:
     """One row per run (``NAME:ROUND`` in both the report and its ticks): its start, attainment as
     ``benchmarks/load.py`` scores it and its offsets (plain, speculative) from ``machine``, in the order it ran."""
-    targets = {c["name"]: (c.get("tpot_target_ms"), c.get("ttft_target_ms")) for c in report.get("configs", [])}
     rows = []
     for run in report.get("runs", []):
         label = f"{run['name']}:{run['round']}"
@@ -62,10 +56,9 @@ def run_rows(report: dict[str, Any], histories: dict[str, list[Any]], machine: d
         span = last_policy_span(history)
         offsets = run_offsets([entry.get("telemetry") or {} for entry in span.ticks],
                               span.operating_model or default_model, machine)
-        tpot, ttft = targets.get(run["name"], (None, None))
         starts = [float(entry["time_s"]) for entry in history if entry.get("time_s") is not None]
         rows.append({"run": label, "name": run["name"], "start_s": min(starts) if starts else None,
-                     "slo_attainment": summarise({**run, "spec": None}, tpot, 1.0, ttft).get("slo_attainment"),
+                     "slo_attainment": round_attainment(report, run),
                      "plain_offset": offsets["plain"].get("offset"),
                      "speculative_offset": offsets["speculative"].get("offset")})
     return sorted(rows, key=lambda r: r["start_s"] if r["start_s"] is not None else 0.0)
@@ -166,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.reports:
         try:
             report = json.loads(Path(path).read_text())
-            histories = load_histories(ticks_path(path))
+            histories = load_histories(ticks_file(path))
         except (OSError, ValueError) as exc:
             raise SystemExit(f"host_drift: {path}: {exc}") from None
         rows = run_rows(report, histories, machine, default_model)
         if not rows:
-            raise SystemExit(f"host_drift: {path}: no run of the report is in {ticks_path(path)}")
+            raise SystemExit(f"host_drift: {path}: no run of the report is in {ticks_file(path)}")
         per_report.append({"report": path, "seed": report.get("seed"), **report_drift(report, rows, args.policy),
                            "runs": rows})
     emit({"benchmark": "host_drift", "command": " ".join([sys.executable, *sys.argv]), "against": args.against,

@@ -366,37 +366,47 @@ def run_offsets(telemetry: list[Mapping[str, Any]], model: OperatingModel, machi
     return out
 
 
-def run_attainment(ticks_path: str) -> dict[str, float]:
-    """Each run's attainment by ``NAME:ROUND``, as ``benchmarks/load.py`` scores a round (every target the report's tier
-    states), from the report a ``--ticks`` file names (empty where it names none or the report is not there)."""
-    from benchmarks.load import summarise
-
+def named_report(ticks_path: str) -> dict[str, Any] | None:
+    """The ``benchmarks/load.py`` report a ``--ticks`` file names (None where it names none or it cannot be read)."""
     try:
         p = Path(ticks_path)
         raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-        report = json.loads(Path(json.loads(raw)["report"]).read_text())
-        targets = {c["name"]: (c.get("tpot_target_ms"), c.get("ttft_target_ms")) for c in report["configs"]}
-        out = {}
-        for run in report["runs"]:
-            tpot, ttft = targets.get(run["name"], (None, None))
-            score = summarise({**run, "spec": None}, tpot, 1.0, ttft).get("slo_attainment")
-            if score is not None:
-                out[f"{run['name']}:{run['round']}"] = round(float(score), 4)
+        report: dict[str, Any] = json.loads(Path(json.loads(raw)["report"]).read_text())
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
+        return None
+    return report
+
+
+def round_attainment(report: Mapping[str, Any], run: Mapping[str, Any]) -> float | None:
+    """A run's (one round's) attainment as ``benchmarks/load.py`` scores it: every target its configuration states."""
+    from benchmarks.load import summarise
+
+    config: Mapping[str, Any] = next((c for c in report.get("configs", []) if c.get("name") == run["name"]), {})
+    score = summarise({**run, "spec": None}, config.get("tpot_target_ms"), 1.0,
+                      config.get("ttft_target_ms")).get("slo_attainment")
+    return None if score is None else round(float(score), 4)
+
+
+def run_attainment(ticks_path: str) -> dict[str, float]:
+    """Each run's attainment by ``NAME:ROUND`` (:func:`round_attainment`), from the report a ``--ticks`` file names
+    (empty where it names none or the report is not there)."""
+    report = named_report(ticks_path)
+    out: dict[str, float] = {}
+    for run in (report or {}).get("runs", []):
+        score = round_attainment(report or {}, run)
+        if score is not None:
+            out[f"{run['name']}:{run['round']}"] = score
     return out
 
 
 def report_prompt_tokens(ticks_path: str, default: float) -> float:
     """Mean prompt tokens of the requests of the report a ``--ticks`` file names (``default`` where it names none or
     the report is not there)."""
+    report = named_report(ticks_path)
     try:
-        p = Path(ticks_path)
-        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-        report = json.loads(Path(json.loads(raw)["report"]).read_text())
-        prompts = [float(r["prompt_tokens"]) for run in report["runs"] for r in run["records"]
+        prompts = [float(r["prompt_tokens"]) for run in (report or {}).get("runs", []) for r in run["records"]
                    if r.get("prompt_tokens")]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return default
     return statistics.fmean(prompts) if prompts else default
 

@@ -1301,22 +1301,10 @@ class ModelPredictivePolicy:
             else:  # nothing as distorting is predicted to meet: relax now
                 for name in names:
                     self._relax_since.pop(name, None)
-        plain_now = self._plain_in_force(active)
-        if self._probe_switch is not None:
-            # A probe holds the kind it switched to until a window of that kind is measured: the next tick's window
-            # still ran the kind before (the decision takes effect at the next report), so without evidence the
-            # prediction is the one the probe overrode, and it switched back at once, the draft's catch-up paid for
-            # nothing (29 of the 42 probes that switched in the live step loads of seeds 37-82, session 44).
-            probed_plain, at = self._probe_switch
-            if self._last_seen(probed_plain) > at or self._ticks - at > self.probe_hold_ticks or plain_now != probed_plain:
-                self._probe_switch = None
-            elif mode != "meets" and bool(u.plain[best]) != probed_plain:
-                same_kind = u.plain == probed_plain
-                if (within & same_kind).any():
-                    best, mode, best_distortion = select(same_kind)
-                    holding += "; held: the probe's kind until a window measures it"
-        if probe is not None and self.current and bool(u.plain[best]) != plain_now:
-            self._probe_switch = (bool(u.plain[best]), self._ticks)
+        if self.probe_hold_ticks:  # an option (off by default): nothing of it on the tick otherwise
+            best, mode, best_distortion, note = self._hold_probe(probe, active, u.plain, within, best, mode,
+                                                                 best_distortion, select)
+            holding += note
         self._best_effort = {
             name: bool(active[i] and not meets[best, i]) for i, name in enumerate(self.tier_names)
         }
@@ -1361,6 +1349,31 @@ class ModelPredictivePolicy:
         self.last_decision = Decision(thresholds=chosen_t, draft_lengths=chosen_k, batch_cap=batch_cap,
                                       replicas=wanted, reason=reason)
         return self.last_decision
+
+    def _hold_probe(self, probe: bool | None, active: np.ndarray, plain: np.ndarray, within: np.ndarray, best: int,
+                    mode: str, distortion: np.ndarray, select: Any) -> tuple[int, str, np.ndarray, str]:
+        """With ``probe_hold_ticks``: the choice (``best``, ``mode``, its ``distortion``), kept to the kind a probe
+        switched to while no window of that kind is measured (``select(allowed)`` re-chooses among ``within``), and a
+        note for the reason; records a probe that switches the kind now.
+
+        Why: a probe's decision takes effect at the next report, so the next tick's window still ran the kind before;
+        without evidence the prediction is the one the probe overrode, and it switched back at once, the draft's
+        catch-up paid for nothing (29 of the 42 probes that switched in the live step loads of seeds 37-82, session
+        44)."""
+        note = ""
+        plain_now = self._plain_in_force(active)
+        if self._probe_switch is not None:
+            probed_plain, at = self._probe_switch
+            if self._last_seen(probed_plain) > at or self._ticks - at > self.probe_hold_ticks or plain_now != probed_plain:
+                self._probe_switch = None
+            elif mode != "meets" and bool(plain[best]) != probed_plain:
+                same_kind = plain == probed_plain
+                if (within & same_kind).any():
+                    best, mode, distortion = select(same_kind)
+                    note = "; held: the probe's kind until a window measures it"
+        if probe is not None and self.current and bool(plain[best]) != plain_now:
+            self._probe_switch = (bool(plain[best]), self._ticks)
+        return best, mode, distortion, note
 
     def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int,
               time_s: float) -> tuple[np.ndarray, list[str], list[str]] | None:

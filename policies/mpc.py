@@ -226,6 +226,12 @@ class ModelPredictivePolicy:
     * ``rate_z`` — with the look-ahead, a candidate meets only if it meets at the rate the last
       ``look_ahead_windows`` windows' arrivals allow at this many standard deviations (the Poisson upper
       bound); where none does, the most attainment at the measured rate (0: off).
+    * ``best_effort_relax_s`` — where no candidate is predicted to meet ("best effort"), a tier also moves to a point of
+      less modelled distortion than the one in force only once every best-effort decision over this many seconds
+      wanted it (0: at once, the default). In a burst the rows dip between clusters of arrivals; relaxed to plain
+      decoding in a dip, the tier takes the next cluster at plain steps, whose time grows with the batch where a
+      speculative step's hardly does (session 45: the shipped policy spent 56-58 % of the high phase's windows at
+      plain decoding in the simulated live machine, where T = 4, k = 6 throughout attained 0.09 more).
     * ``batch_cap`` — also cap the batch (``Decision.batch_cap``): every candidate is planned with a cap at
       the most rows where it meets every TPOT target, where its load is below ``cap_utilisation`` of what
       those rows serve; a planned batch above the cap is judged at the cap, its queue drained at the capped
@@ -298,6 +304,7 @@ class ModelPredictivePolicy:
         spread_prior: float = 0.3,
         look_ahead_windows: int = 10,
         rate_z: float = 2.0,
+        best_effort_relax_s: float = 0.0,
         batch_cap: bool = False,
         cap_utilisation: float = 0.85,
         rate_prior_s: float = 0.0,
@@ -365,6 +372,9 @@ class ModelPredictivePolicy:
         if not (math.isfinite(rate_z) and rate_z >= 0):
             raise ValueError(f"rate_z must be finite and >= 0, got {rate_z}")
         self.rate_z = rate_z
+        if not (math.isfinite(best_effort_relax_s) and best_effort_relax_s >= 0):
+            raise ValueError(f"best_effort_relax_s must be finite and >= 0, got {best_effort_relax_s}")
+        self.best_effort_relax_s = best_effort_relax_s
         if not (0 < cap_utilisation < 1):
             raise ValueError(f"cap_utilisation must be in (0, 1), got {cap_utilisation}")
         self.batch_cap, self.cap_utilisation = bool(batch_cap), cap_utilisation
@@ -573,6 +583,7 @@ class ModelPredictivePolicy:
         # Per tier: the time of the first decision in the current run of decisions that wanted less distortion
         # than the point in force (relax_delay_s).
         self._relax_since: dict[str, float] = {}
+        self._best_effort_relax_since: dict[str, float] = {}
         # A probe that switched the kind of step: (the kind it switched to, plain or not; the tick it did so).
         self._probe_switch: tuple[bool, int] | None = None
         self._best_effort: dict[str, bool] = {}
@@ -1292,6 +1303,16 @@ class ModelPredictivePolicy:
         held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s) if mode == "meets" else None
         if mode != "meets":
             self._relax_since.clear()
+        if mode == "best effort" and self.best_effort_relax_s > 0:
+            # Where nothing meets, a relax (to plain decoding, a lower T or a shorter k) waits too: a burst's rows dip
+            # between its clusters, and a point relaxed in a dip takes the next cluster at the slower point.
+            held_be = self._hold(act_idx, u.base_distortion, best, telemetry.time_s, self.best_effort_relax_s,
+                                 self._best_effort_relax_since)
+            if held_be is not None and (within & held_be[0]).any():
+                best, mode, best_distortion = select(held_be[0])
+                holding = "; held (best_effort_relax_s): " + ", ".join(held_be[2])
+        else:
+            self._best_effort_relax_since.clear()
         if held is not None:
             allowed, names, notes = held
             choice = select(allowed) if (within & allowed).any() else None
@@ -1375,13 +1396,16 @@ class ModelPredictivePolicy:
             self._probe_switch = (bool(plain[best]), self._ticks)
         return best, mode, distortion, note
 
-    def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int,
-              time_s: float) -> tuple[np.ndarray, list[str], list[str]] | None:
+    def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int, time_s: float,
+              delay_s: float | None = None,
+              since_by_tier: dict[str, float] | None = None) -> tuple[np.ndarray, list[str], list[str]] | None:
         """With ``relax_delay_s``: the candidates that keep every tier the choice ``best`` relaxes too soon at no less
         modelled distortion (``distortion``: [candidates, tiers]) than its point in force, those tiers' names and a
         note on each; None where no tier is held. Starts, continues or ends each tier's run of decisions wanting to
         relax."""
-        if self.relax_delay_s <= 0 or not self.current:
+        delay = self.relax_delay_s if delay_s is None else delay_s
+        relax_since = self._relax_since if since_by_tier is None else since_by_tier
+        if delay <= 0 or not self.current:
             return None
         allowed: np.ndarray | None = None
         names: list[str] = []
@@ -1391,16 +1415,16 @@ class ModelPredictivePolicy:
             t_now, k_now = self.current.get(name, (math.nan, 0))
             in_force = self._point_distortion[name].get((k_now, t_now))
             if in_force is None or in_force <= 0 or distortion[best, i] >= in_force - 1e-9:
-                self._relax_since.pop(name, None)  # nothing to relax from, or not relaxing: the run ends
+                relax_since.pop(name, None)  # nothing to relax from, or not relaxing: the run ends
                 continue
-            since = self._relax_since.setdefault(name, time_s)
-            if time_s - since >= self.relax_delay_s - 1e-9:
-                self._relax_since.pop(name)  # relaxed now: a new point in force, a new run
+            since = relax_since.setdefault(name, time_s)
+            if time_s - since >= delay - 1e-9:
+                relax_since.pop(name)  # relaxed now: a new point in force, a new run
                 continue
             keep = distortion[:, i] >= in_force - 1e-9
             allowed = keep if allowed is None else allowed & keep
             names.append(name)
-            notes.append(f"{name} at T={t_now:.3g} k={k_now} for {self.relax_delay_s - (time_s - since):.2g} s")
+            notes.append(f"{name} at T={t_now:.3g} k={k_now} for {delay - (time_s - since):.2g} s")
         return None if allowed is None else (allowed, names, notes)
 
     def _capped(self, corrected_line: Any, tokens_model: np.ndarray, by_batch: np.ndarray | None,
@@ -1548,6 +1572,7 @@ class ModelPredictivePolicy:
             "scale_down_slack": self.scale_down_slack,
             "look_ahead_windows": self.look_ahead_windows,
             "rate_z": self.rate_z,
+            "best_effort_relax_s": self.best_effort_relax_s,
             "batch_cap": self.batch_cap,
             "cap_utilisation": self.cap_utilisation,
             "rate_prior_s": self.rate_prior_s,

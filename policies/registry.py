@@ -140,6 +140,7 @@ class MPCParams(_Params):
                                     "candidate is planned for where the draft's catch-up is modelled; 0: off")
     rate_z: float = Field(2.0, ge=0, description="with the look-ahead, candidates must meet at this Poisson upper "
                           "bound (standard deviations) of the recent windows' arrival rate; 0: off")
+    best_effort_relax_s: float = Field(0.0, ge=0, description="where nothing meets, a relax waits this long too")
     batch_cap: bool = Field(False, description="also cap the batch where the TPOT target needs fewer rows and the "
                             "TTFT target has room for the queue (Decision.batch_cap)")
     cap_utilisation: float = Field(0.85, gt=0, lt=1, description="with batch_cap: the most load, as a share of what "

@@ -1222,6 +1222,36 @@ def test_a_relax_waits_for_relax_delay_s_of_decisions_wanting_it_and_a_rise_does
             ModelPredictivePolicy(slo, toy_model(), relax_delay_s=bad)
 
 
+def test_best_effort_relax_s_holds_the_point_in_force_where_nothing_meets() -> None:
+    """A 10 ms TPOT target nothing meets, on a machine where plain steps grow fast with the batch (20 + 30 ms per row)
+    and speculative ones slowly: six rows draft (T = 4, k = 2), one row decodes plainly. Without the option every dip
+    to one row goes back to plain decoding at once; with best_effort_relax_s 3 (1 s windows) the point in force holds
+    through three decisions wanting less and relaxes at the fourth, and a rise back is taken at once."""
+    toy = toy_model()
+    model = OperatingModel(toy.points, StepCost(60.0, 2.0, 33.0, 8.0, 5.5, 20.0, 30.0), source="toy")
+    slo = SLOSpec(tiers={"economy": TierSLO(tpot_ms=10.0, ttft_ms=4000.0, max_threshold=4.0, max_mean_distortion=0.5)},
+                  default_tier="economy")
+    rows = [1, 1, 6, 6, 6, 1, 1, 1, 1, 1, 6, 1, 1, 1, 1, 1]
+
+    def run(delay: float) -> list[tuple[float, int, bool]]:
+        policy = ModelPredictivePolicy(slo, model, best_effort_relax_s=delay)
+        out = []
+        for tick, running in enumerate(rows):
+            d = policy.decide(load(running, arrivals=0, tiers=window("economy", k=0), time_s=float(tick + 1)))
+            assert d.reason.startswith("mpc best effort")
+            out.append((d.thresholds["economy"], d.draft_lengths["economy"], "held (best_effort_relax_s)" in d.reason))
+        return out
+
+    high, low, held = (4.0, 2, False), (0.0, 0, False), (4.0, 2, True)
+    assert run(0.0) == [low, low, high, high, high, low, low, low, low, low, high, low, low, low, low, low]
+    assert run(3.0) == [low, low, high, high, high, held, held, held, low, low, high, held, held, held, low, low]
+    assert ModelPredictivePolicy(slo, model).best_effort_relax_s == 0.0
+    assert ModelPredictivePolicy(slo, model, best_effort_relax_s=20).params()["best_effort_relax_s"] == 20
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=f"best_effort_relax_s must be finite and >= 0, got {bad}"):
+            ModelPredictivePolicy(slo, model, best_effort_relax_s=bad)
+
+
 def test_stall_windows_plans_the_measured_prefill_share_and_no_less_than_the_rate_model() -> None:
     """One replica, 0.1 req/s for 40 windows with 300 ms prefills, then 3 windows of one admission each (300 ms of
     each 1,000 ms window prefilling): with stall_windows 3 the planned stall is the measured 30 %, where the decayed

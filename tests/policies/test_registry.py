@@ -122,6 +122,8 @@ def test_static_batch_cap_reaches_the_decision_through_the_guards() -> None:
         ({"policy": "bandit", "window": 0}, r"^bandit\.window: Input should be greater than or equal to 1"),
         ({"policy": "slo", "step_fit": "bins"}, r"^mpc\.step_fit: Input should be 'line' or 'batch'"),
         ({"policy": "slo", "relax_delay_s": -1}, r"^mpc\.relax_delay_s: Input should be greater than or equal to 0"),
+        ({"policy": "slo", "best_effort_relax_s": -1},
+         r"^mpc\.best_effort_relax_s: Input should be greater than or equal to 0"),
         ({"policy": "bandit", "arms": [0.0, 2.0]}, r"^bandit\.arms\[1\]: T=2.0 outside tier 'standard'"),
         ({"policy": "bandit", "context": "moon_phase"}, r"^bandit\.context: Input should be"),
         (

@@ -228,10 +228,11 @@ class ModelPredictivePolicy:
       bound); where none does, the most attainment at the measured rate (0: off).
     * ``best_effort_relax_s`` — where no candidate is predicted to meet ("best effort"), a tier also moves to a point of
       less modelled distortion than the one in force only once every best-effort decision over this many seconds
-      wanted it (0: at once, the default). In a burst the rows dip between clusters of arrivals; relaxed to plain
-      decoding in a dip, the tier takes the next cluster at plain steps, whose time grows with the batch where a
-      speculative step's hardly does (session 45: the shipped policy spent 56-58 % of the high phase's windows at
-      plain decoding in the simulated live machine, where T = 4, k = 6 throughout attained 0.09 more).
+      wanted it (0: at once; the default since session 45, 20 s). In a burst the rows dip between clusters of
+      arrivals; relaxed to plain decoding in a dip, the tier takes the next cluster at plain steps, whose time grows
+      with the batch where a speculative step's hardly does, and the backlog it builds is then served at more rows
+      (session 45, docs/figures.md: in the simulator twin of the live step load the policy without it ran plain
+      decoding in 56-58 % of the high phase's windows; with it, +0.025 attainment over 180 seeds, held-out sets level).
     * ``batch_cap`` — also cap the batch (``Decision.batch_cap``): every candidate is planned with a cap at
       the most rows where it meets every TPOT target, where its load is below ``cap_utilisation`` of what
       those rows serve; a planned batch above the cap is judged at the cap, its queue drained at the capped
@@ -304,7 +305,7 @@ class ModelPredictivePolicy:
         spread_prior: float = 0.3,
         look_ahead_windows: int = 10,
         rate_z: float = 2.0,
-        best_effort_relax_s: float = 0.0,
+        best_effort_relax_s: float = 20.0,
         batch_cap: bool = False,
         cap_utilisation: float = 0.85,
         rate_prior_s: float = 0.0,
@@ -583,6 +584,7 @@ class ModelPredictivePolicy:
         # Per tier: the time of the first decision in the current run of decisions that wanted less distortion
         # than the point in force (relax_delay_s).
         self._relax_since: dict[str, float] = {}
+        # The same for best-effort decisions (best_effort_relax_s).
         self._best_effort_relax_since: dict[str, float] = {}
         # A probe that switched the kind of step: (the kind it switched to, plain or not; the tick it did so).
         self._probe_switch: tuple[bool, int] | None = None
@@ -1298,8 +1300,8 @@ class ModelPredictivePolicy:
 
         best, mode, best_distortion = select(None)
         holding = ""
-        # A relax waits only where it saves distortion: a choice made because every target is predicted met. Where
-        # none is ("best effort", a probe while short) a point of less distortion is chosen for speed: at once.
+        # A relax waits relax_delay_s where it saves distortion: a choice made because every target is predicted met.
+        # Where none is ("best effort", a probe while short) it is made for speed: it waits best_effort_relax_s.
         held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s) if mode == "meets" else None
         if mode != "meets":
             self._relax_since.clear()
@@ -1311,6 +1313,9 @@ class ModelPredictivePolicy:
             if held_be is not None and (within & held_be[0]).any():
                 best, mode, best_distortion = select(held_be[0])
                 holding = "; held (best_effort_relax_s): " + ", ".join(held_be[2])
+            elif held_be is not None:  # nothing as distorting is within budget: relax now, a new run after it
+                for name in held_be[1]:
+                    self._best_effort_relax_since.pop(name, None)
         else:
             self._best_effort_relax_since.clear()
         if held is not None:
@@ -1399,10 +1404,10 @@ class ModelPredictivePolicy:
     def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int, time_s: float,
               delay_s: float | None = None,
               since_by_tier: dict[str, float] | None = None) -> tuple[np.ndarray, list[str], list[str]] | None:
-        """With ``relax_delay_s``: the candidates that keep every tier the choice ``best`` relaxes too soon at no less
-        modelled distortion (``distortion``: [candidates, tiers]) than its point in force, those tiers' names and a
-        note on each; None where no tier is held. Starts, continues or ends each tier's run of decisions wanting to
-        relax."""
+        """With a delay (``delay_s``; None: ``relax_delay_s``): the candidates that keep every tier the choice ``best``
+        relaxes too soon at no less modelled distortion (``distortion``: [candidates, tiers]) than its point in force,
+        those tiers' names and a note on each; None where no tier is held. Starts, continues or ends each tier's run
+        of decisions wanting to relax, kept in ``since_by_tier`` (None: ``_relax_since``)."""
         delay = self.relax_delay_s if delay_s is None else delay_s
         relax_since = self._relax_since if since_by_tier is None else since_by_tier
         if delay <= 0 or not self.current:

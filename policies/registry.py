@@ -140,7 +140,8 @@ class MPCParams(_Params):
                                     "candidate is planned for where the draft's catch-up is modelled; 0: off")
     rate_z: float = Field(2.0, ge=0, description="with the look-ahead, candidates must meet at this Poisson upper "
                           "bound (standard deviations) of the recent windows' arrival rate; 0: off")
-    best_effort_relax_s: float = Field(0.0, ge=0, description="where nothing meets, a relax waits this long too")
+    best_effort_relax_s: float = Field(20.0, ge=0, description="seconds a move to less distortion waits where no "
+                                       "candidate is predicted to meet (0: at once; 20 since session 45)")
     batch_cap: bool = Field(False, description="also cap the batch where the TPOT target needs fewer rows and the "
                             "TTFT target has room for the queue (Decision.batch_cap)")
     cap_utilisation: float = Field(0.85, gt=0, lt=1, description="with batch_cap: the most load, as a share of what "
@@ -261,6 +262,7 @@ ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {
     "mpc": {
         "relax_delay_s": 0.0,  # session 34: default 4 s
         "initial_margin": 1.3,  # session 43: default 1.7; every spec recorded as given ran 1.3
+        "best_effort_relax_s": 0.0,  # session 45: default 20 s
     },
 }
 

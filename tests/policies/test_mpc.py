@@ -777,7 +777,8 @@ def test_a_probe_holds_its_kind_until_a_window_of_it_is_measured() -> None:
                                   **{"speculative_steps" if ran else "plain_steps": steps}))
 
     def probed(hold: int) -> ModelPredictivePolicy:
-        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30, probe_hold_ticks=hold)
+        # best_effort_relax_s 0: this mechanism alone (the hold would also delay a relax made for speed)
+        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30, probe_hold_ticks=hold, best_effort_relax_s=0.0)
         for t in range(1, 16):
             decision = tick(policy, t, 0, 0, 0.6)
         assert decision.draft_lengths["economy"] == 4 and "probing speculative steps" in decision.reason
@@ -996,7 +997,8 @@ def test_best_effort_trades_attainment_not_tiers() -> None:
     plain_ms = model.cost.plain_fixed_ms + 4 * model.cost.plain_per_seq_ms
     standard_tpot, economy_t = {}, {}
     for standard_met, economy_met in ((5, 10), (0, 9)):
-        policy = ModelPredictivePolicy(slo, model)
+        # best_effort_relax_s 0: this mechanism alone (the hold would also delay a relax made for speed)
+        policy = ModelPredictivePolicy(slo, model, best_effort_relax_s=0.0)
         for tick in range(1, 12):
             tiers = {name: make_tier_window(completions=10, slo_met=m, draft_length=0, tpot=spread(55.0, 90.0),
                                             output_tokens=n, sequence_iterations=n)
@@ -1034,7 +1036,8 @@ def test_a_probe_of_plain_steps_keeps_the_switch_margin() -> None:
     slo = make_slo(economy={"tpot_ms": 5.0})  # out of reach: every window misses, the tier goes short
 
     def decide_after(spec_ratio: float) -> Decision:
-        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
+        # best_effort_relax_s 0: this mechanism alone (the hold would also delay a relax made for speed)
+        policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30, best_effort_relax_s=0.0)
         for tick in range(1, 16):
             policy.current = {name: (4.0, 4) for name in policy.tier_names}
             ms = spec_ratio * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 1.0)[0])
@@ -1090,7 +1093,8 @@ def test_no_probe_while_nothing_runs() -> None:
     plain steps; with none it does not (a probe would measure nothing, and from plain decoding, then in force and
     not the kind probed, the next window went back: session 18, the kind flipped every idle window)."""
     slo = make_slo(economy={"tpot_ms": 5.0})
-    policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30)
+    # best_effort_relax_s 0: this mechanism alone (the hold would also delay a relax made for speed)
+    policy = ModelPredictivePolicy(slo, toy_model(), probe_after=30, best_effort_relax_s=0.0)
     for tick in range(1, 16):
         policy.current = {name: (4.0, 4) for name in policy.tier_names}
         ms = 1.8 * float(policy._step_ms(np.array([[0, 0, 4]]), np.array([0.0, 0.0, 1.0]), 1.0)[0])
@@ -1245,8 +1249,8 @@ def test_best_effort_relax_s_holds_the_point_in_force_where_nothing_meets() -> N
     high, low, held = (4.0, 2, False), (0.0, 0, False), (4.0, 2, True)
     assert run(0.0) == [low, low, high, high, high, low, low, low, low, low, high, low, low, low, low, low]
     assert run(3.0) == [low, low, high, high, high, held, held, held, low, low, high, held, held, held, low, low]
-    assert ModelPredictivePolicy(slo, model).best_effort_relax_s == 0.0
-    assert ModelPredictivePolicy(slo, model, best_effort_relax_s=20).params()["best_effort_relax_s"] == 20
+    assert ModelPredictivePolicy(slo, model).best_effort_relax_s == 20.0  # the default since session 45
+    assert ModelPredictivePolicy(slo, model, best_effort_relax_s=2.5).params()["best_effort_relax_s"] == 2.5
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match=f"best_effort_relax_s must be finite and >= 0, got {bad}"):
             ModelPredictivePolicy(slo, model, best_effort_relax_s=bad)

@@ -50,7 +50,8 @@ def test_a_history_replays_exactly_after_a_default_changed() -> None:
     assert out["differ"] == 0 and out["same"] == len(span.ticks), out["first_differences"]
     del event["resolved_policy"]  # a history from before resolved specs were recorded (and before relax_delay_s)
     as_given = last_policy_span(history)
-    assert as_given.spec == {**resolve_spec({"policy": "slo"}), "relax_delay_s": 0.0, "initial_margin": 1.3}
+    assert as_given.spec == {**resolve_spec({"policy": "slo"}), "relax_delay_s": 0.0, "initial_margin": 1.3,
+                             "best_effort_relax_s": 0.0}
     assert summary(replay(as_given, build_policy(as_given.spec, slo, model), slo))["differ"] > 0
 
 
@@ -73,10 +74,11 @@ def test_a_resolved_spec_from_before_a_parameter_existed_replays_without_it() ->
 
 def test_a_spec_recorded_as_given_replays_with_the_margin_it_ran() -> None:
     """Every history whose spec was recorded as given (not written out: before session 40) ran the initial margin
-    of 1.3, the default until session 43 (1.7 since): the replay rebuilds 1.3, equal at every tick; today's default
+    of 1.3, the default until session 43 (1.7 since), and no best-effort relax delay (20 s since session 45): the
+    replay rebuilds them, equal at every tick; today's default margin
     replays the same step load otherwise."""
     slo = SLOSpec.default()
-    ran = {"policy": "slo", "relax_delay_s": 0.0, "initial_margin": 1.3}
+    ran = {"policy": "slo", "relax_delay_s": 0.0, "initial_margin": 1.3, "best_effort_relax_s": 0.0}
     steps = [{"at_s": 0, "rate": 0.3}, {"at_s": 40, "rate": 1.5}, {"at_s": 80, "rate": 0.3}]
     history = recorded_history(ran, slo, arrivals={"kind": "step", "steps": steps}, tier_mix={"economy": 1.0})
     event = history[1]["event"]

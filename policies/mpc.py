@@ -232,7 +232,8 @@ class ModelPredictivePolicy:
       arrivals; relaxed to plain decoding in a dip, the tier takes the next cluster at plain steps, whose time grows
       with the batch where a speculative step's hardly does, and the backlog it builds is then served at more rows
       (session 45, docs/figures.md: in the simulator twin of the live step load the policy without it ran plain
-      decoding in 56-58 % of the high phase's windows; with it, +0.025 attainment over 180 seeds, held-out sets level).
+      decoding in 56-68 % of the high phase's windows after its first quarter; with it, +0.025 ± 0.019 attainment
+      over 180 seeds, +0.018 ± 0.024 over the 120 it was not chosen on; held-out sets level).
     * ``batch_cap`` — also cap the batch (``Decision.batch_cap``): every candidate is planned with a cap at
       the most rows where it meets every TPOT target, where its load is below ``cap_utilisation`` of what
       those rows serve; a planned batch above the cap is judged at the cap, its queue drained at the capped

@@ -1301,33 +1301,26 @@ class ModelPredictivePolicy:
 
         best, mode, best_distortion = select(None)
         holding = ""
-        # A relax waits relax_delay_s where it saves distortion: a choice made because every target is predicted met.
-        # Where none is ("best effort", a probe while short) it is made for speed: it waits best_effort_relax_s.
-        held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s) if mode == "meets" else None
-        if mode != "meets":
-            self._relax_since.clear()
-        if mode == "best effort" and self.best_effort_relax_s > 0:
-            # Where nothing meets, a relax (to plain decoding, a lower T or a shorter k) waits too: a burst's rows dip
-            # between its clusters, and a point relaxed in a dip takes the next cluster at the slower point.
-            held_be = self._hold(act_idx, u.base_distortion, best, telemetry.time_s, self.best_effort_relax_s,
-                                 self._best_effort_relax_since)
-            if held_be is not None and (within & held_be[0]).any():
-                best, mode, best_distortion = select(held_be[0])
-                holding = "; held (best_effort_relax_s): " + ", ".join(held_be[2])
-            elif held_be is not None:  # nothing as distorting is within budget: relax now, a new run after it
-                for name in held_be[1]:
-                    self._best_effort_relax_since.pop(name, None)
-        else:
-            self._best_effort_relax_since.clear()
+        # A relax waits: relax_delay_s where every target is predicted met (the relax saves distortion),
+        # best_effort_relax_s where none is ("best effort", a probe while short: it is made for speed, and a burst's
+        # rows dip between its clusters, so a point relaxed in a dip takes the next cluster at the slower point).
+        # Each mode keeps its own run of decisions wanting to relax; the other mode's ends.
+        waits = {"meets": ("relax_delay_s", self.relax_delay_s, self._relax_since),
+                 "best effort": ("best_effort_relax_s", self.best_effort_relax_s, self._best_effort_relax_since)}
+        for other, (_, _, since) in waits.items():
+            if other != mode:
+                since.clear()
+        label, delay, relax_since = waits[mode]
+        held = self._hold(act_idx, u.base_distortion, best, telemetry.time_s, delay, relax_since)
         if held is not None:
             allowed, names, notes = held
             choice = select(allowed) if (within & allowed).any() else None
-            if choice is not None and choice[1] == "meets":
+            if choice is not None and choice[1] == mode:
                 best, mode, best_distortion = choice
-                holding = "; held (relax_delay_s): " + ", ".join(notes)
-            else:  # nothing as distorting is predicted to meet: relax now
+                holding = f"; held ({label}): " + ", ".join(notes)
+            else:  # nothing as distorting is within budget (and, in "meets", predicted to meet): relax now
                 for name in names:
-                    self._relax_since.pop(name, None)
+                    relax_since.pop(name, None)
         if self.probe_hold_ticks:  # an option (off by default): nothing of it on the tick otherwise
             best, mode, best_distortion, note = self._hold_probe(probe, active, u.plain, within, best, mode,
                                                                  best_distortion, select)
@@ -1402,15 +1395,12 @@ class ModelPredictivePolicy:
             self._probe_switch = (bool(plain[best]), self._ticks)
         return best, mode, distortion, note
 
-    def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int, time_s: float,
-              delay_s: float | None = None,
-              since_by_tier: dict[str, float] | None = None) -> tuple[np.ndarray, list[str], list[str]] | None:
-        """With a delay (``delay_s``; None: ``relax_delay_s``): the candidates that keep every tier the choice ``best``
-        relaxes too soon at no less modelled distortion (``distortion``: [candidates, tiers]) than its point in force,
-        those tiers' names and a note on each; None where no tier is held. Starts, continues or ends each tier's run
-        of decisions wanting to relax, kept in ``since_by_tier`` (None: ``_relax_since``)."""
-        delay = self.relax_delay_s if delay_s is None else delay_s
-        relax_since = self._relax_since if since_by_tier is None else since_by_tier
+    def _hold(self, act_idx: Sequence[int], distortion: np.ndarray, best: int, time_s: float, delay: float,
+              relax_since: dict[str, float]) -> tuple[np.ndarray, list[str], list[str]] | None:
+        """With a ``delay`` (s): the candidates that keep every tier the choice ``best`` relaxes too soon at no less
+        modelled distortion (``distortion``: [candidates, tiers]) than its point in force, those tiers' names and a
+        note on each; None where no tier is held. Starts, continues or ends each tier's run of decisions wanting to
+        relax, kept in ``relax_since`` (the time of each run's first decision)."""
         if delay <= 0 or not self.current:
             return None
         allowed: np.ndarray | None = None

@@ -7,7 +7,7 @@ simulator's: ``slo``, ``{"policy": "static", "thresholds": 4, "draft_lengths": 2
 run on ``--seeds``; the report gives the tier's attainment and distortion per configuration (mean and
 95 % t-interval over seeds), the TPOT distribution of the high phase's requests pooled over seeds
 (``high_phase_tpot_ms``), the share of the high phase's control windows at plain decoding by quarter of the
-phase (``high_phase_plain_share_by_quarter``), issue 11's criterion on the means (``benchmarks.load.criterion``),
+phase (``high_phase_plain_share_by_quarter``) and by the (T, k) they ran (``high_phase_points``), issue 11's criterion on the means (``benchmarks.load.criterion``),
 and seed by seed as the live tally judges each seed (``by_seed``: seeds held per policy, each policy paired with
 ``slo`` by seed).
 A configuration ``{"policy": "hindsight", "high": [T, k]}`` runs :class:`HindsightSchedule` (plain
@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,16 @@ def high_phase_plain_share(timeseries: dict[str, list[float]], tier: str, phase_
     return [round(float(plain[quarter == q].mean()), 3) if (quarter == q).any() else math.nan for q in range(4)]
 
 
+def high_phase_points(timeseries: dict[str, list[float]], tier: str, phase_s: float) -> Counter[str]:
+    """Control windows of the high phase ``[phase_s, 2·phase_s)`` by the (T, k) ``tier`` ran at, as "T:k": which
+    point a policy drafted at (a profile that ties two thresholds leaves the choice between them to the ranking)."""
+    t = np.asarray(timeseries["time_s"], dtype=float)
+    high = (t >= phase_s) & (t < 2 * phase_s)
+    points = zip(np.asarray(timeseries[f"T_{tier}"])[high].tolist(), np.asarray(timeseries[f"k_{tier}"])[high].tolist(),
+                 strict=True)
+    return Counter(f"{threshold:g}:{int(k)}" for threshold, k in points)
+
+
 def tpot_distribution(samples_ms: np.ndarray, target_ms: float) -> dict[str, float]:
     """Mean, deciles and share within ``target_ms`` of pooled per-request TPOTs. Why: at a target near the
     burst's median two points of nearly one mean TPOT meet it in very different shares (session 19: the
@@ -467,6 +478,7 @@ def main() -> int:
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     burst: dict[str, list[np.ndarray]] = {name: [] for name in configs}
     plain_share: dict[str, list[list[float]]] = {name: [] for name in configs}
+    points: dict[str, Counter[str]] = {name: Counter() for name in configs}
     for seed in args.seeds:
         for name, spec in configs.items():
             workload = Workload.from_dict({
@@ -490,6 +502,7 @@ def main() -> int:
             rows[name].append((float(tier["slo_attainment"]), float(tier.get("mean_distortion") or 0.0)))
             burst[name].append(high_phase_tpot_ms(result.records, args.phase_s))
             plain_share[name].append(high_phase_plain_share(result.timeseries, args.tier, args.phase_s))
+            points[name].update(high_phase_points(result.timeseries, args.tier, args.phase_s))
     summary = []
     for name, values in rows.items():
         attainment, attainment_ci = ci95([a for a, _ in values])
@@ -501,7 +514,9 @@ def main() -> int:
                         "slo_attainment": attainment, "attainment_ci95": attainment_ci,
                         "mean_distortion_per_token": distortion, "distortion_ci95": distortion_ci,
                         "high_phase_tpot_ms": tpot_distribution(np.concatenate(burst[name]), args.tpot_ms),
-                        "high_phase_plain_share_by_quarter": [round(float(x), 3) for x in np.nanmean(plain_share[name], axis=0)]})
+                        "high_phase_plain_share_by_quarter": [round(float(x), 3) for x in np.nanmean(plain_share[name], axis=0)],
+                        "high_phase_points": {point: round(n / max(1, points[name].total()), 3)
+                                              for point, n in points[name].most_common()}})
     judged = [c for c in summary if c["spec"]["policy"] not in SCHEDULES]
     tier_slo = slo.tiers[args.tier].model_dump()
     out = {"benchmark": "load_sim", **replica_fields(args), "tier": args.tier, "tpot_ms": args.tpot_ms,

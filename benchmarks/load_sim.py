@@ -7,9 +7,11 @@ simulator's: ``slo``, ``{"policy": "static", "thresholds": 4, "draft_lengths": 2
 run on ``--seeds``; the report gives the tier's attainment and distortion per configuration (mean and
 95 % t-interval over seeds), the TPOT distribution of the high phase's requests pooled over seeds
 (``high_phase_tpot_ms``), the share of the high phase's control windows at plain decoding by quarter of the
-phase (``high_phase_plain_share_by_quarter``) and by the (T, k) they ran (``high_phase_points``), issue 11's criterion on the means (``benchmarks.load.criterion``),
-and seed by seed as the live tally judges each seed (``by_seed``: seeds held per policy, each policy paired with
-``slo`` by seed).
+phase (``high_phase_plain_share_by_quarter``) and by the (T, k) they ran (``high_phase_points``), the
+attainment of the requests by when they arrived (``attainment_by_arrival``: the light phase, each quarter of
+the high phase, the light phase after; pooled over seeds), issue 11's criterion on the means
+(``benchmarks.load.criterion``), and seed by seed as the live tally judges each seed (``by_seed``: seeds held
+per policy, each policy paired with ``slo`` by seed).
 A configuration ``{"policy": "hindsight", "high": [T, k]}`` runs :class:`HindsightSchedule` (plain
 decoding outside the high phase, (T, k) in it, switched at the phase boundaries): a bound on what
 switching can reach, reported beside the others and left out of the criterion; ``{"policy": "trigger", "rows": 2,
@@ -258,6 +260,20 @@ def high_phase_plain_share(timeseries: dict[str, list[float]], tier: str, phase_
     return [round(float(plain[quarter == q].mean()), 3) if (quarter == q).any() else math.nan for q in range(4)]
 
 
+ARRIVAL_PARTS = ("light", "high q1", "high q2", "high q3", "high q4", "light after")
+
+
+def met_by_arrival(records: dict[str, np.ndarray], phase_s: float) -> np.ndarray:
+    """[met, arrived] × :data:`ARRIVAL_PARTS` of one run: its requests by when they arrived (the light phase, each
+    quarter of the high phase ``[phase_s, 2·phase_s)``, the light phase after) and how many of each met the SLO —
+    where in the load a policy loses its attainment (session 46: the burst's onset taken at plain decoding costs the
+    requests that arrive well after it, behind the queue it built)."""
+    arrival = records["arrival_s"]
+    part = np.digitize(arrival, phase_s * np.array([1.0, 1.25, 1.5, 1.75, 2.0]))
+    met = np.bincount(part[records["slo_met"]], minlength=len(ARRIVAL_PARTS))
+    return np.stack([met, np.bincount(part, minlength=len(ARRIVAL_PARTS))])
+
+
 def high_phase_points(timeseries: dict[str, list[float]], tier: str, phase_s: float) -> Counter[str]:
     """Control windows of the high phase ``[phase_s, 2·phase_s)`` by the (T, k) ``tier`` ran at, as "T:k": which
     point a policy drafted at (a profile that ties two thresholds leaves the choice between them to the ranking)."""
@@ -479,6 +495,7 @@ def main() -> int:
     burst: dict[str, list[np.ndarray]] = {name: [] for name in configs}
     plain_share: dict[str, list[list[float]]] = {name: [] for name in configs}
     points: dict[str, Counter[str]] = {name: Counter() for name in configs}
+    by_arrival: dict[str, np.ndarray] = {name: np.zeros((2, len(ARRIVAL_PARTS)), dtype=np.int64) for name in configs}
     for seed in args.seeds:
         for name, spec in configs.items():
             workload = Workload.from_dict({
@@ -503,6 +520,7 @@ def main() -> int:
             burst[name].append(high_phase_tpot_ms(result.records, args.phase_s))
             plain_share[name].append(high_phase_plain_share(result.timeseries, args.tier, args.phase_s))
             points[name].update(high_phase_points(result.timeseries, args.tier, args.phase_s))
+            by_arrival[name] += met_by_arrival(result.records, args.phase_s)
     summary = []
     for name, values in rows.items():
         attainment, attainment_ci = ci95([a for a, _ in values])
@@ -516,7 +534,10 @@ def main() -> int:
                         "high_phase_tpot_ms": tpot_distribution(np.concatenate(burst[name]), args.tpot_ms),
                         "high_phase_plain_share_by_quarter": [round(float(x), 3) for x in np.nanmean(plain_share[name], axis=0)],
                         "high_phase_points": {point: round(n / max(1, points[name].total()), 3)
-                                              for point, n in points[name].most_common()}})
+                                              for point, n in points[name].most_common()},
+                        "attainment_by_arrival": {part: round(float(met / n), 3) if n else None for part, met, n in
+                                                  zip(ARRIVAL_PARTS, *by_arrival[name], strict=True)},
+                        "requests_by_arrival": dict(zip(ARRIVAL_PARTS, by_arrival[name][1].tolist(), strict=True))})
     judged = [c for c in summary if c["spec"]["policy"] not in SCHEDULES]
     tier_slo = slo.tiers[args.tier].model_dump()
     out = {"benchmark": "load_sim", **replica_fields(args), "tier": args.tier, "tpot_ms": args.tpot_ms,

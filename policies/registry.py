@@ -142,6 +142,8 @@ class MPCParams(_Params):
                           "bound (standard deviations) of the recent windows' arrival rate; 0: off")
     best_effort_relax_s: float = Field(20.0, ge=0, description="seconds a move to less distortion waits where no "
                                        "candidate is predicted to meet (0: at once; 20 since session 45)")
+    higher_t_ties: bool = Field(False, description="where no candidate is predicted to meet, a tie the model cannot "
+                                "separate goes to the higher T (acceptance only rises with T); off: the lower")
     batch_cap: bool = Field(False, description="also cap the batch where the TPOT target needs fewer rows and the "
                             "TTFT target has room for the queue (Decision.batch_cap)")
     cap_utilisation: float = Field(0.85, gt=0, lt=1, description="with batch_cap: the most load, as a share of what "

@@ -71,6 +71,9 @@ def test_load_sim_reports_a_hindsight_schedule_outside_the_criterion(tmp_path) -
     assert by_name["plain"]["high_phase_points"] == {"0:0": 1.0}
     assert by_name["hindsight:4:6"]["high_phase_points"].get("4:6", 0.0) > 0.5
     assert sum(by_name["slo"]["high_phase_points"].values()) == pytest.approx(1.0, abs=0.01)
+    # Every request of the run is in one part of the load, and each part's attainment is a share.
+    assert sum(by_name["plain"]["requests_by_arrival"].values()) > 0
+    assert all(a is None or 0.0 <= a <= 1.0 for a in by_name["slo"]["attainment_by_arrival"].values())
 
 
 def test_high_phase_plain_share_reads_each_quarter_of_the_high_phase() -> None:
@@ -92,6 +95,18 @@ def test_high_phase_points_counts_the_high_phase_windows_by_operating_point() ->
     got = high_phase_points({"time_s": times, "T_economy": [t for t, _ in points], "k_economy": [k for _, k in points]},
                             "economy", 40.0)
     assert got == {"0:0": 1, "2:6": 4, "4:6": 3}
+
+
+def test_met_by_arrival_splits_the_requests_by_when_they_arrived() -> None:
+    from benchmarks.load_sim import ARRIVAL_PARTS, met_by_arrival
+
+    # Phases of 40 s: light [0, 40), the high phase's quarters [40, 50) … [70, 80), light again from 80 s.
+    arrival = np.array([5.0, 39.9, 40.0, 49.9, 55.0, 65.0, 75.0, 79.9, 80.0, 119.0])
+    met = np.array([True, False, True, True, False, True, False, False, True, True])
+    got = met_by_arrival({"arrival_s": arrival, "slo_met": met}, 40.0)
+    assert len(ARRIVAL_PARTS) == got.shape[1] == 6
+    assert got[1].tolist() == [2, 2, 1, 1, 2, 2]  # arrived
+    assert got[0].tolist() == [1, 2, 0, 1, 0, 2]  # of which met
 
 
 def test_row_trigger_drafts_from_the_row_count_and_holds_after_the_last_window_that_saw_it() -> None:

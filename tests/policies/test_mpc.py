@@ -137,6 +137,33 @@ def test_margin_does_not_wind_up_while_already_at_the_fastest_point() -> None:
     assert margins[1:] == [margins[0]] * 9
 
 
+def tied_model() -> OperatingModel:
+    """toy_model's cost, with acceptance and distortion flat from T = 1: T = 1, 2 and 4 tie at every k (a profile
+    whose drafts were all accepted there)."""
+    points = [OperatingPoint(0.0, 0, 1.0, 0.0)]
+    for k in (2, 4):
+        for t in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0):
+            alpha = 0.98 - 0.24 * math.exp(-min(t, 1.0) / 0.68)
+            points.append(OperatingPoint(t, k, sum(alpha**i for i in range(k + 1)), 0.08 * min(t, 1.0)))
+    return OperatingModel(tuple(points), toy_model().cost, source="toy, tied from T = 1")
+
+
+@pytest.mark.parametrize("higher", [False, True])
+def test_higher_t_ties_breaks_a_tie_the_model_cannot_separate_toward_the_higher_t_in_best_effort(higher: bool) -> None:
+    slo = make_slo()
+    policy = ModelPredictivePolicy(slo, tied_model(), higher_t_ties=higher)
+    # Far beyond capacity: best effort, at the most accepted point, which T = 1, 2 and 4 share (economy's T reaches 4).
+    decision = policy.decide(load(8, queue=200, arrivals=20))
+    assert decision.reason.startswith("mpc best effort")
+    assert decision.draft_lengths["economy"] == 2
+    assert decision.thresholds["economy"] == (4.0 if higher else 1.0)
+    # Where every target is predicted met, least distortion decides, and the option changes nothing.
+    idle = ModelPredictivePolicy(slo, tied_model(), higher_t_ties=higher).decide(load(1, arrivals=0))
+    plain = ModelPredictivePolicy(slo, tied_model()).decide(load(1, arrivals=0))
+    assert idle.reason.startswith("mpc meets")
+    assert (idle.thresholds, idle.draft_lengths) == (plain.thresholds, plain.draft_lengths)
+
+
 def test_loosest_budget_spends_distortion_first() -> None:
     # Two tiers with the same latency targets and the same traffic; only their budgets differ.
     tier = {"ttft_ms": 1e6, "tpot_ms": 50.0, "max_threshold": 4.0}

@@ -250,13 +250,21 @@ def high_phase_tpot_ms(records: dict[str, np.ndarray], phase_s: float) -> np.nda
     return np.asarray(1000.0 * span_s / (records["output_tokens"][chosen] - 1), dtype=float)
 
 
+def high_phase_quarter(time_s: np.ndarray, phase_s: float) -> np.ndarray:
+    """The quarter (0-3) of the high phase each control window ran in; outside it, below 0 or above 3. A row of the
+    simulator's timeseries at ``t`` is the window that ended at ``t`` (recorded before the tick's decision, with the
+    settings that were in force over it), so a window is in the high phase when it ends in ``(phase_s, 2·phase_s]``
+    (read as ``[phase_s, 2·phase_s)`` before session 46, one window early: a hindsight schedule showed plain decoding
+    in one of its 40 high-phase windows)."""
+    return np.ceil((np.asarray(time_s, dtype=float) - phase_s) / (phase_s / 4)).astype(int) - 1
+
+
 def high_phase_plain_share(timeseries: dict[str, list[float]], tier: str, phase_s: float) -> list[float]:
-    """Share of the control windows in each quarter of the high phase ``[phase_s, 2·phase_s)`` at which ``tier``
+    """Share of the control windows in each quarter of the high phase (:func:`high_phase_quarter`) at which ``tier``
     decoded plainly (k = 0): when in the burst a policy moved off plain decoding (session 21: the shipped
     policy's lag at the burst's onset)."""
-    t = np.asarray(timeseries["time_s"], dtype=float)
     plain = np.asarray(timeseries[f"k_{tier}"], dtype=float) == 0
-    quarter = np.floor((t - phase_s) / (phase_s / 4)).astype(int)
+    quarter = high_phase_quarter(np.asarray(timeseries["time_s"]), phase_s)
     return [round(float(plain[quarter == q].mean()), 3) if (quarter == q).any() else math.nan for q in range(4)]
 
 
@@ -275,10 +283,10 @@ def met_by_arrival(records: dict[str, np.ndarray], phase_s: float) -> np.ndarray
 
 
 def high_phase_points(timeseries: dict[str, list[float]], tier: str, phase_s: float) -> Counter[str]:
-    """Control windows of the high phase ``[phase_s, 2·phase_s)`` by the (T, k) ``tier`` ran at, as "T:k": which
+    """Control windows of the high phase (:func:`high_phase_quarter`) by the (T, k) ``tier`` ran at, as "T:k": which
     point a policy drafted at (a profile that ties two thresholds leaves the choice between them to the ranking)."""
-    t = np.asarray(timeseries["time_s"], dtype=float)
-    high = (t >= phase_s) & (t < 2 * phase_s)
+    quarter = high_phase_quarter(np.asarray(timeseries["time_s"]), phase_s)
+    high = (quarter >= 0) & (quarter <= 3)
     points = zip(np.asarray(timeseries[f"T_{tier}"])[high].tolist(), np.asarray(timeseries[f"k_{tier}"])[high].tolist(),
                  strict=True)
     return Counter(f"{threshold:g}:{int(k)}" for threshold, k in points)

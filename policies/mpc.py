@@ -235,7 +235,8 @@ class ModelPredictivePolicy:
       decoding in 56-68 % of the high phase's windows after its first quarter; with it, +0.025 ± 0.019 attainment
       over 180 seeds, +0.018 ± 0.024 over the 120 it was not chosen on; held-out sets level).
     * ``higher_t_ties`` — where no candidate is predicted to meet, candidates the model cannot tell apart (every key
-      of the ranking equal, distortion included) go to the higher T instead of the lower (off: the lower). A profile
+      of the ranking equal as it rounds them, distortion included) go to the higher T instead of the lower (off: the
+      lower). A profile
       measured from a few hundred drafts reads every position accepted at several thresholds (the shipped
       smollm2 profile: T = 2, 4 and 8 at k = 6), and acceptance only rises with T: where speed is what is ranked,
       the higher T of a tie accepts at least as much (live, T = 4, k = 6 steps carried 3 % more tokens than

@@ -236,10 +236,9 @@ class ModelPredictivePolicy:
       over 180 seeds, +0.018 ± 0.024 over the 120 it was not chosen on; held-out sets level).
     * ``higher_t_ties`` — where no candidate is predicted to meet, candidates the model cannot tell apart (every key
       of the ranking equal as it rounds them, distortion included) go to the higher T instead of the lower (off: the
-      lower). A profile
-      measured from a few hundred drafts reads every position accepted at several thresholds (the shipped
-      smollm2 profile: T = 2, 4 and 8 at k = 6), and acceptance only rises with T: where speed is what is ranked,
-      the higher T of a tie accepts at least as much (live, T = 4, k = 6 steps carried 3 % more tokens than
+      lower). A profile measured from a few hundred drafts reads every position accepted at several thresholds (the
+      shipped smollm2 profile: T = 2, 4 and 8 at k = 6), and acceptance only rises with T: where speed is what is
+      ranked, the higher T of a tie accepts at least as much (live, T = 4, k = 6 steps carried 3 % more tokens than
       T = 2's at 1 % more distortion; session 45). Where a candidate meets, distortion is what is ranked, and a tie
       still goes to the lower T.
     * ``batch_cap`` — also cap the batch (``Decision.batch_cap``): every candidate is planned with a cap at

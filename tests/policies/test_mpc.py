@@ -21,13 +21,14 @@ from tests.policies.builders import make_slo, make_telemetry, make_tier_window
 TOY_MARGIN = 1.3
 
 
-def toy_model(draft_fixed_ms: float = 9.0, draft_per_seq_ms: float = 2.0) -> OperatingModel:
-    """Handmade-like: acceptance α(T) rising with T, distortion 0.08·T, k ∈ {0, 2, 4}."""
+def toy_model(draft_fixed_ms: float = 9.0, draft_per_seq_ms: float = 2.0, flat_from_t: float = math.inf) -> OperatingModel:
+    """Handmade-like: acceptance α(T) rising with T, distortion 0.08·T, k ∈ {0, 2, 4}; both flat from ``flat_from_t``
+    (the points above it tie: a profile whose drafts were all accepted there)."""
     points = [OperatingPoint(0.0, 0, 1.0, 0.0)]
     for k in (2, 4):
         for t in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0):
-            alpha = 0.98 - 0.24 * math.exp(-t / 0.68)
-            points.append(OperatingPoint(t, k, sum(alpha**i for i in range(k + 1)), 0.08 * t))
+            alpha = 0.98 - 0.24 * math.exp(-min(t, flat_from_t) / 0.68)
+            points.append(OperatingPoint(t, k, sum(alpha**i for i in range(k + 1)), 0.08 * min(t, flat_from_t)))
     cost = StepCost(draft_fixed_ms, draft_per_seq_ms, 33.0, 8.0, 5.5, 33.0, 8.0, 0.0, 2.0)
     return OperatingModel(tuple(points), cost, source="toy")
 
@@ -137,21 +138,10 @@ def test_margin_does_not_wind_up_while_already_at_the_fastest_point() -> None:
     assert margins[1:] == [margins[0]] * 9
 
 
-def tied_model() -> OperatingModel:
-    """toy_model's cost, with acceptance and distortion flat from T = 1: T = 1, 2 and 4 tie at every k (a profile
-    whose drafts were all accepted there)."""
-    points = [OperatingPoint(0.0, 0, 1.0, 0.0)]
-    for k in (2, 4):
-        for t in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0):
-            alpha = 0.98 - 0.24 * math.exp(-min(t, 1.0) / 0.68)
-            points.append(OperatingPoint(t, k, sum(alpha**i for i in range(k + 1)), 0.08 * min(t, 1.0)))
-    return OperatingModel(tuple(points), toy_model().cost, source="toy, tied from T = 1")
-
-
 @pytest.mark.parametrize("higher", [False, True])
 def test_higher_t_ties_breaks_a_tie_the_model_cannot_separate_toward_the_higher_t_in_best_effort(higher: bool) -> None:
     slo = make_slo()
-    policy = ModelPredictivePolicy(slo, tied_model(), higher_t_ties=higher)
+    policy = ModelPredictivePolicy(slo, toy_model(flat_from_t=1.0), higher_t_ties=higher)
     # Far beyond capacity: best effort, at the most accepted point, which T = 1, 2 and 4 share (economy's T reaches 4).
     decision = policy.decide(load(8, queue=200, arrivals=20))
     assert decision.reason.startswith("mpc best effort")
@@ -160,7 +150,7 @@ def test_higher_t_ties_breaks_a_tie_the_model_cannot_separate_toward_the_higher_
     # Where every target is predicted met, least distortion decides and a tie stays at the lower T: targets that six
     # rows meet only drafting inside the tie (T >= 1), so a tie-break applied here too would read T = 4.
     tight = make_slo(economy={"tpot_ms": 70.0}, standard={"tpot_ms": 70.0})
-    met = ModelPredictivePolicy(tight, tied_model(), initial_margin=1.0, higher_t_ties=higher).decide(load(6, arrivals=0))
+    met = ModelPredictivePolicy(tight, toy_model(flat_from_t=1.0), initial_margin=1.0, higher_t_ties=higher).decide(load(6, arrivals=0))
     assert met.reason.startswith("mpc meets")
     assert (met.thresholds["economy"], met.draft_lengths["economy"]) == (1.0, 2)
 
